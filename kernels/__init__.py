@@ -1,0 +1,1 @@
+"""Leaf kernels for the moecompile ops: torch (and later triton) only, no moecompile imports."""

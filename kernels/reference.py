@@ -1,0 +1,164 @@
+"""Reference kernels for the moecompile ops: plain PyTorch, any device, float32-exact.
+
+Layout conventions shared by every kernel:
+- T tokens, k assignments per token, E experts, N = T * k assignment rows.
+- route() marks an assignment dropped by capacity with expert id E and weight 0.
+- dispatch() orders the N assignment rows by expert (stable: token order inside an expert, dropped rows last);
+  `order[i]` is the flat assignment index (token * k + slot) of sorted row i, and `offsets[e]` is the end row of
+  expert e's group (torch._grouped_mm's convention), so rows >= offsets[-1] are the dropped ones.
+- experts() writes zeros to the dropped rows, so combine() never reads uninitialised memory.
+"""
+import math
+
+import torch
+
+from .activations import expert_activation, expert_activation_backward
+
+
+def capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
+    """Per-expert token capacity, or -1 for dropless (capacity_factor == 0)."""
+    if capacity_factor == 0:
+        return -1
+    return max(1, math.ceil(abs(capacity_factor) * tokens * top_k / num_experts))
+
+
+def _topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _rank_in_expert(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Position of each assignment in its expert's queue, in the order of flat_ids (no host sync)."""
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(flat_ids)
+    rank[order] = torch.arange(flat_ids.numel(), device=flat_ids.device) - starts[flat_ids[order]]
+    return rank
+
+
+def route(router_logits: torch.Tensor, top_k: int, capacity_factor: float, renormalize: bool):
+    """Softmax top-k routing. Returns (weights [T, k] float32, expert_ids [T, k] int64).
+
+    With a capacity, assignments are admitted slot-major (every token's first choice before any second choice,
+    GShard's priority), in token order inside a slot; the rest are dropped (id E, weight 0).
+    """
+    tokens, num_experts = router_logits.shape
+    weights, ids = _topk(router_logits, top_k, renormalize)
+    cap = capacity(capacity_factor, tokens, top_k, num_experts)
+    if cap >= 0:
+        slot_major = ids.t().reshape(-1)
+        # contiguous: a transposed mask would make both outputs transposed, unlike the op's fake (and kernels)
+        keep = (_rank_in_expert(slot_major, num_experts) < cap).reshape(top_k, tokens).t().contiguous()
+        ids = torch.where(keep, ids, num_experts)
+        weights = torch.where(keep, weights, 0.0)
+    return weights, ids
+
+
+def route_backward(grad_weights, router_logits, expert_ids, top_k: int, renormalize: bool):
+    """Gradient of route's weights w.r.t. the router logits (ids are not differentiable)."""
+    num_experts = router_logits.shape[-1]
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    full_weights, full_ids = _topk(router_logits, top_k, renormalize)
+    g = torch.where(expert_ids < num_experts, grad_weights.float(), 0.0)
+    if renormalize:
+        # weights = softmax over the selected logits
+        g_sel = full_weights * (g - (g * full_weights).sum(-1, keepdim=True))
+        grad = torch.zeros_like(probs).scatter_add_(1, full_ids, g_sel)
+    else:
+        g_probs = torch.zeros_like(probs).scatter_add_(1, full_ids, g)
+        grad = probs * (g_probs - (g_probs * probs).sum(-1, keepdim=True))
+    return grad.to(router_logits.dtype)
+
+
+def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
+    """Permute token rows into expert-contiguous order. Returns (sorted_hidden, order, offsets)."""
+    top_k = expert_ids.shape[-1]
+    flat_ids = expert_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts]
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    return hidden.index_select(0, order // top_k), order, offsets
+
+
+def dispatch_backward(grad_sorted: torch.Tensor, order: torch.Tensor, tokens: int, top_k: int):
+    grad = grad_sorted.new_zeros(tokens, grad_sorted.shape[-1])
+    return grad.index_add_(0, order // top_k, grad_sorted)
+
+
+def _groups(offsets: torch.Tensor):
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        yield e, start, end
+        start = end
+
+
+def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
+    """Grouped FFN: rows of group e go through expert e: act(x W_in[e]^T + b_in[e]) W_out[e]^T + b_out[e]."""
+    y = x.new_zeros(x.shape[0], w_out.shape[1])
+    for e, start, end in _groups(offsets):
+        if end == start:
+            continue
+        h = x[start:end] @ w_in[e].t()
+        if b_in is not None:
+            h = h + b_in[e]
+        out = expert_activation(activation, gated, h) @ w_out[e].t()
+        y[start:end] = out + b_out[e] if b_out is not None else out
+    return y
+
+
+def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gated: bool, has_b_out: bool):
+    """Returns (grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out); bias grads are None without a bias."""
+    grad_x = torch.zeros_like(x)
+    grad_w_in, grad_w_out = torch.zeros_like(w_in), torch.zeros_like(w_out)
+    grad_b_in = torch.zeros_like(b_in) if b_in is not None else None
+    grad_b_out = grad_y.new_zeros(w_out.shape[0], w_out.shape[1]) if has_b_out else None
+    for e, start, end in _groups(offsets):
+        if end == start:
+            continue
+        xe, ge = x[start:end], grad_y[start:end]
+        h = xe @ w_in[e].t()
+        if b_in is not None:
+            h = h + b_in[e]
+        a = expert_activation(activation, gated, h)
+        grad_w_out[e] = ge.t() @ a
+        if grad_b_out is not None:
+            grad_b_out[e] = ge.sum(0)
+        grad_h = expert_activation_backward(activation, gated, h, ge @ w_out[e])
+        grad_w_in[e] = grad_h.t() @ xe
+        if grad_b_in is not None:
+            grad_b_in[e] = grad_h.sum(0)
+        grad_x[start:end] = grad_h @ w_in[e]
+    return grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out
+
+
+def _unpermute(sorted_rows: torch.Tensor, order: torch.Tensor, tokens: int, top_k: int):
+    rows = sorted_rows.new_empty(sorted_rows.shape).index_copy_(0, order, sorted_rows)
+    return rows.view(tokens, top_k, sorted_rows.shape[-1])  # explicit width: -1 is ambiguous when tokens == 0
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulate in at least float32 (half/bf16 upcast, float64 kept)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor):
+    """out[t] = sum_j weights[t, j] * expert_out[row of assignment (t, j)], accumulated in >= float32."""
+    tokens, top_k = weights.shape
+    rows = _unpermute(expert_out, order, tokens, top_k)
+    acc = _acc_dtype(expert_out.dtype)
+    return (rows.to(acc) * weights.to(acc).unsqueeze(-1)).sum(1).to(expert_out.dtype)
+
+
+def combine_backward(grad_out, expert_out, order, weights):
+    """Returns (grad_expert_out, grad_weights)."""
+    tokens, top_k = weights.shape
+    rows = _unpermute(expert_out, order, tokens, top_k)
+    acc = _acc_dtype(expert_out.dtype)
+    grad_weights = (rows.to(acc) * grad_out.to(acc).unsqueeze(1)).sum(-1)
+    grad_rows = grad_out.to(acc).unsqueeze(1) * weights.to(acc).unsqueeze(-1)
+    grad_rows = grad_rows.reshape(tokens * top_k, grad_out.shape[-1])
+    return grad_rows.index_select(0, order).to(expert_out.dtype), grad_weights.to(weights.dtype)

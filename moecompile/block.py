@@ -1,0 +1,98 @@
+"""MoEBlock: the module view of a Mixture-of-Experts FFN (router + stacked expert weights)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .config import MoEConfig
+
+
+class MoEExperts(nn.Module):
+    """Expert weights stacked on a leading expert dim: w_in [E, F, H] (F = 2I gate|up when gated), w_out [E, H, I]."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        e, h, i, f = config.num_experts, config.hidden_size, config.expert_size, config.expert_in_features
+        self.w_in = nn.Parameter(torch.empty(e, f, h))
+        self.w_out = nn.Parameter(torch.empty(e, h, i))
+        self.b_in = nn.Parameter(torch.zeros(e, f)) if config.bias_in else None
+        self.b_out = nn.Parameter(torch.zeros(e, h)) if config.bias_out == "expert" else None
+        nn.init.normal_(self.w_in, std=0.02)
+        nn.init.normal_(self.w_out, std=0.02)
+
+    def forward(self, rows, offsets, activation: str, gated: bool):
+        return ops.experts(rows, offsets, self.w_in, self.b_in, self.w_out, self.b_out, activation, gated)
+
+
+class MoEBlock(nn.Module):
+    """Drop-in replacement for a dense FFN: route -> dispatch -> experts -> combine.
+
+    forward(hidden_states, top_k=None, capacity_factor=None): both override the config for one call.
+    In training mode the block keeps `aux_loss` (load balancing + z-loss, already scaled by their coefficients)
+    for the caller to add to its loss (`moecompile.aux_loss(model)` sums every block's).
+    """
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        nn.init.normal_(self.router.weight, std=0.02)
+        self.experts = MoEExperts(config)
+        self.bias = nn.Parameter(torch.zeros(config.hidden_size)) if config.bias_out == "shared" else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.aux_loss: torch.Tensor | None = None
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"experts={c.num_experts}, top_k={c.top_k}, hidden={c.hidden_size}, expert_size={c.expert_size}, "
+                f"activation={c.activation}, gated={c.gated}, capacity_factor={c.capacity_factor}")
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.config.router_jitter > 0:
+            eps = self.config.router_jitter
+            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+        return F.linear(x.float(), self.router.weight.float())  # routing in fp32 whatever the model dtype
+
+    def forward(self, hidden_states: torch.Tensor, top_k: int | None = None,
+                capacity_factor: float | None = None) -> torch.Tensor:
+        c = self.config
+        top_k = c.top_k if top_k is None else top_k
+        capacity_factor = c.capacity_factor if capacity_factor is None else capacity_factor
+        if not 1 <= top_k <= c.num_experts:
+            raise ValueError(f"top_k must be between 1 and {c.num_experts}, got {top_k}")
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        logits = self.router_logits(x)
+        weights, expert_ids = ops.route(logits, top_k, float(capacity_factor), c.renormalize)
+        if c.gate_weighting == "unit":  # weight 1 per kept expert, straight-through gradient to the router
+            weights = torch.where(expert_ids < c.num_experts, weights - weights.detach() + 1.0, 0.0)
+        rows, order, offsets = ops.dispatch(x, expert_ids, c.num_experts)
+        out = ops.combine(self.experts(rows, offsets, c.activation, c.gated), order, weights)
+        if self.bias is not None:
+            out = out + self.bias
+        if self.training and x.shape[0] > 0:
+            self.aux_loss = self._aux_loss(logits, top_k)
+        return self.dropout(out).reshape(shape)
+
+    def _aux_loss(self, logits: torch.Tensor, top_k: int) -> torch.Tensor:
+        """Switch/GShard load balancing E * sum_e f_e P_e (f: fraction of top-k choices, P: mean router
+        probability) plus the ST-MoE z-loss mean(logsumexp(logits)^2), each times its coefficient."""
+        c = self.config
+        probs = torch.softmax(logits, dim=-1)
+        chosen = torch.topk(logits, top_k, dim=-1).indices
+        fraction = F.one_hot(chosen, c.num_experts).float().sum((0, 1)) / max(chosen.numel(), 1)
+        balance = c.num_experts * (fraction * probs.mean(0)).sum()
+        loss = c.aux_loss_coef * balance
+        if c.z_loss_coef > 0:
+            loss = loss + c.z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return loss
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor:
+    """Sum of the auxiliary losses every MoEBlock in model kept from its last training-mode forward."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoEBlock) and m.aux_loss is not None]
+    if not losses:
+        return torch.zeros(())
+    return torch.stack(losses).sum()

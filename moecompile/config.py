@@ -1,0 +1,86 @@
+"""Configuration of one MoE block: the single source of truth for its shapes and routing knobs."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .errors import MoECompileError
+from .kernels.activations import activation as activation_fn  # noqa: F401  (the one definition)
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+ACTIVATION_ALIASES = {"gelu_new": "gelu_tanh", "tanh": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "swish": "silu"}
+
+
+def canonical_activation(name: str) -> str:
+    name = ACTIVATION_ALIASES.get(name, name)
+    if name not in ACTIVATIONS:
+        raise MoECompileError(f"unknown activation {name!r}; expected one of {', '.join(ACTIVATIONS)}")
+    return name
+
+
+@dataclass
+class MoEConfig:
+    """Shapes and routing of an `MoEBlock`.
+
+    capacity_factor follows Tutel: > 0 a fixed capacity of ceil(cf * tokens * top_k / experts) per expert, the
+    overflow dropped; 0 dropless; < 0 dropless up to a cap of ceil(|cf| * tokens * top_k / experts). Expert
+    groups have variable size (no padding), so > 0 and < 0 drop the same assignments; the sign only records intent.
+    gate_weighting "router" scales each expert's output by its (renormalised) router weight; "unit" gives every
+    selected expert weight 1 (a neuron split is exact at top_k = experts that way), with a straight-through
+    gradient to the router.
+    """
+
+    hidden_size: int
+    expert_size: int  # hidden neurons per expert
+    num_experts: int
+    top_k: int = 2
+    capacity_factor: float = 0.0
+    activation: str = "gelu"
+    gated: bool = False  # act(x W_gate) * (x W_up), LLaMA-style
+    bias_in: bool = False  # per-expert bias of the first projection
+    bias_out: str = "none"  # "expert": per-expert bias of the second projection (an upcycled copy keeps it);
+    # "shared": one bias added once after combining (a neuron split keeps the dense bias that way); "none"
+    renormalize: bool = True  # top-k weights renormalised to sum to 1
+    gate_weighting: str = "router"  # "router" | "unit"
+    router_jitter: float = 0.0  # multiplicative uniform noise on the router input while training (Switch)
+    aux_loss_coef: float = 0.01  # Switch/GShard load balancing
+    z_loss_coef: float = 0.0  # ST-MoE router z-loss
+    dropout: float = 0.0  # on the block output, kept from the dense FFN it replaced
+    method: str = "custom"  # how the experts were made: upcycle | split | custom
+
+    def __post_init__(self):
+        self.activation = canonical_activation(self.activation)
+        if self.num_experts < 1:
+            raise MoECompileError(f"experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise MoECompileError(f"top_k must be between 1 and experts ({self.num_experts}), got {self.top_k}")
+        if self.gate_weighting not in ("router", "unit"):
+            raise MoECompileError(f"gate_weighting must be 'router' or 'unit', got {self.gate_weighting!r}")
+        if self.bias_out not in ("none", "expert", "shared"):
+            raise MoECompileError(f"bias_out must be 'none', 'expert' or 'shared', got {self.bias_out!r}")
+        if self.hidden_size < 1 or self.expert_size < 1:
+            raise MoECompileError("hidden_size and expert_size must be positive")
+
+    @property
+    def expert_in_features(self) -> int:
+        """Rows of w_in per expert: gate and up stacked for gated experts."""
+        return 2 * self.expert_size if self.gated else self.expert_size
+
+    def params_per_expert(self) -> int:
+        n = self.expert_in_features * self.hidden_size + self.hidden_size * self.expert_size
+        if self.bias_in:
+            n += self.expert_in_features
+        if self.bias_out == "expert":
+            n += self.hidden_size
+        return n
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MoEConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise MoECompileError(f"unknown MoE config keys: {', '.join(sorted(unknown))}")
+        return cls(**d)

@@ -1,0 +1,277 @@
+"""moeize: replace the FFNs that the front end finds by MoEBlocks (the module view).
+
+    model = moecompile.moeize(model, experts=16, top_k=2, capacity_factor=1.2, method="upcycle")
+
+Expert construction (`method`):
+- "upcycle": every expert a copy of the dense FFN (optionally with noise). Exactly the dense output at init for
+  any top_k when no token is dropped, since the renormalised top-k weights sum to 1.
+- "split": the hidden neurons partitioned into `experts` balanced groups by k-means on the neurons' weights;
+  every selected expert has weight 1 and the output bias is added once, so top_k = experts is exactly dense.
+  The router starts at each group's mean input weight, a heuristic; calibrated routers are built elsewhere.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from tqdm.auto import tqdm
+
+from . import layout
+from .block import MoEBlock
+from .config import MoEConfig
+from .errors import MoECompileError
+from .frontend import capture, module_scopes
+from moecompile.passes.find_ffn import TRANSPARENT, FFNMatch, LinearRef, find_ffns
+
+METHODS = ("upcycle", "split")
+
+
+@dataclass
+class DenseFFN:
+    """One FFN found in a model: its weights as [out, in], and which modules a replacement takes over."""
+    match: FFNMatch
+    owner: str | None  # module replaced by the MoEBlock (None in the graph view)
+    identity: list[str]  # modules replaced by nn.Identity (absorbed into the block)
+    w_in: torch.Tensor  # [F, H]: the first projection (gate rows then up rows when gated)
+    b_in: torch.Tensor | None
+    w_out: torch.Tensor  # [H, I]
+    b_out: torch.Tensor | None
+    dropout: float  # of the replaced module's output, kept by the block
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w_out.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w_out.shape[1]
+
+    def describe(self) -> str:
+        return f"{self.owner}: {self.match.describe()}, hidden {self.hidden_size}, ffn {self.intermediate_size}"
+
+
+def _weight(model: nn.Module, ref: LinearRef) -> tuple[torch.Tensor, torch.Tensor | None]:
+    w = model.get_parameter(ref.weight).detach()
+    b = model.get_parameter(ref.bias).detach() if ref.bias else None
+    return (w if ref.out_in else w.t()), b
+
+
+def dense_ffn(root: nn.Module, match: FFNMatch, owner: str | None = None, identity: list[str] | None = None) -> DenseFFN:
+    """The matched FFN's weights, read from root (the model, or the captured GraphModule: same parameter names)."""
+    ins = [_weight(root, r) for r in (match.gate, match.up) if r is not None]
+    w_in = torch.cat([w for w, _ in ins])
+    if all(b is None for _, b in ins):
+        b_in = None
+    else:
+        b_in = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in ins])
+    w_out, b_out = _weight(root, match.down)
+    return DenseFFN(match, owner, list(identity or []), w_in, b_in, w_out, b_out, 0.0)
+
+
+def _scope(scopes, path):
+    return {n for n, paths in scopes.items() if path in paths and n.target is not torch.ops.aten._assert_tensor_metadata.default}
+
+
+def _is_passthrough(node: fx.Node) -> bool:
+    return node.target in TRANSPARENT and not torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def _plan(model: nn.Module, gm: fx.GraphModule, match: FFNMatch, scopes) -> tuple[str, list[str]]:
+    """Which module the MoEBlock replaces: the FFN's own module when it holds nothing else (GPT-2 mlp, LLaMA mlp),
+    otherwise the module of the first projection and activation, with the second projection made an Identity
+    (BERT: intermediate -> MoEBlock, output.dense -> Identity, output's LayerNorm kept)."""
+    ffn_nodes = set(match.chain) | {r.node for r in match.linears}
+    paths = [r.module for r in match.linears]
+    common = paths[0].split(".")
+    for p in paths[1:]:
+        parts = p.split(".")
+        n = 0
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    owner = ".".join(common)
+    if owner and owner not in paths and all(n in ffn_nodes or _is_passthrough(n) for n in _scope(scopes, owner)):
+        return owner, []
+    # split form: the largest ancestor of the input projections holding only them and the activation chain
+    in_nodes = ffn_nodes - {match.down.node}
+    best = None
+    for cand in _ancestors(match.up.module):
+        scope = _scope(scopes, cand)
+        if match.down.node in scope or not all(n in in_nodes or _is_passthrough(n) for n in scope):
+            break
+        if all(r.node in scope for r in match.linears[:-1]) and set(match.chain) <= scope:
+            best = cand
+    down_scope = _scope(scopes, match.down.module)
+    if best is None or not all(n is match.down.node or _is_passthrough(n) for n in down_scope):
+        raise MoECompileError(f"found {match.describe()} but no module boundary to replace it at")
+    return best, [match.down.module]
+
+
+def find_dense_ffns(model: nn.Module, example_args=None, example_kwargs=None) -> tuple[list[DenseFFN], list[str]]:
+    """Capture the model and return its rewritable FFNs in graph order, plus one line per FFN skipped and why."""
+    gm = capture(model, example_args, example_kwargs)
+    matches, skipped = find_ffns(gm)
+    scopes = module_scopes(gm)
+    found = []
+    for match in matches:
+        try:
+            owner, identity = _plan(model, gm, match, scopes)
+        except MoECompileError as e:
+            skipped.append(str(e))
+            continue
+        ffn = dense_ffn(model, match, owner, identity)
+        if ffn.w_out.shape[0] != ffn.w_in.shape[1]:
+            skipped.append(f"{owner}: output size {ffn.w_out.shape[0]} differs from input size {ffn.w_in.shape[1]}")
+            continue
+        if not identity:
+            ffn.dropout = next((m.p for m in model.get_submodule(owner).children() if isinstance(m, nn.Dropout)), 0.0)
+        found.append(ffn)
+    return found, skipped
+
+
+def parse_layers(spec, count: int) -> list[int]:
+    """Layer selection: None/"all", "even", "odd", or indices and ranges like "0,2,5-7" (negative from the end)."""
+    if spec is None or spec == "all":
+        return list(range(count))
+
+    def index(i: int) -> int:  # negative from the end, checked
+        j = i + count if i < 0 else i
+        if not 0 <= j < count:
+            raise MoECompileError(f"layer {i} out of range: the model has {count} FFN layers")
+        return j
+
+    if isinstance(spec, (list, tuple)):
+        items = [index(int(i)) for i in spec]
+    elif spec in ("even", "odd"):
+        return list(range(0 if spec == "even" else 1, count, 2))
+    else:
+        items = []
+        for part in str(spec).split(","):
+            part = part.strip()
+            m = re.fullmatch(r"(-?\d+)(?:-(-?\d+))?", part)
+            if not m:
+                raise MoECompileError(f"bad --layers spec {spec!r}: use 'all', 'even', 'odd' or e.g. '0,2,5-7'")
+            lo = index(int(m.group(1)))  # resolve negative ends before expanding the range ("-3--1", "2--1")
+            hi = index(int(m.group(2))) if m.group(2) is not None else lo
+            if hi < lo:
+                raise MoECompileError(f"bad --layers spec {spec!r}: range {part!r} is empty (start after end)")
+            items.extend(range(lo, hi + 1))
+    return sorted(set(items))
+
+
+def balanced_kmeans(features: torch.Tensor, clusters: int, iters: int = 10, seed: int = 0) -> torch.Tensor:
+    """Assign rows to `clusters` equal-size groups by spherical k-means with a greedy balanced assignment.
+    Returns the group index per row. Deterministic for a given seed."""
+    n = features.shape[0]
+    size = n // clusters
+    x = torch.nn.functional.normalize(features.float(), dim=1)
+    gen = torch.Generator().manual_seed(seed)
+    centroids = x[torch.randperm(n, generator=gen)[:clusters]]
+    assign = torch.empty(n, dtype=torch.long)
+    for _ in range(iters):
+        scores = x @ centroids.t()
+        top2 = scores.topk(min(2, clusters), dim=1).values
+        confidence = top2[:, 0] - (top2[:, 1] if clusters > 1 else 0)
+        room = torch.full((clusters,), size, dtype=torch.long)
+        for i in torch.argsort(confidence, descending=True, stable=True).tolist():
+            e = int(torch.where(room > 0, scores[i], float("-inf")).argmax())
+            assign[i] = e
+            room[e] -= 1
+        new = torch.stack([x[assign == e].mean(0) for e in range(clusters)])
+        new = torch.nn.functional.normalize(new, dim=1)
+        if torch.allclose(new, centroids):
+            break
+        centroids = new
+    return assign
+
+
+def _neuron_groups(ffn: DenseFFN, experts: int, seed: int) -> list[torch.Tensor]:
+    i = ffn.intermediate_size
+    rows = ffn.w_in.reshape(-1, i, ffn.hidden_size).permute(1, 0, 2).reshape(i, -1)  # gate|up rows per neuron
+    features = torch.cat([rows, ffn.w_out.t()], dim=1)
+    assign = balanced_kmeans(features, experts, seed=seed)
+    return [torch.nonzero(assign == e).flatten() for e in range(experts)]
+
+
+def build_block(ffn: DenseFFN, experts: int, top_k: int, capacity_factor: float, method: str,
+                noise: float = 0.0, seed: int = 0) -> MoEBlock:
+    """An MoEBlock equivalent to the dense FFN (at init, see the module docstring)."""
+    if method not in METHODS:
+        raise MoECompileError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    gated = ffn.match.gated
+    h, i = ffn.hidden_size, ffn.intermediate_size
+    common = dict(hidden_size=h, num_experts=experts, top_k=top_k, capacity_factor=capacity_factor,
+                  activation=ffn.match.activation, gated=gated, bias_in=ffn.b_in is not None,
+                  dropout=ffn.dropout, method=method)
+    gen = torch.Generator().manual_seed(seed)
+    if method == "upcycle":
+        config = MoEConfig(expert_size=i, bias_out="expert" if ffn.b_out is not None else "none", **common)
+        block = MoEBlock(config).to(dtype=ffn.w_in.dtype, device=ffn.w_in.device)
+        with torch.no_grad():
+            ex = block.experts
+            ex.w_in.copy_(ffn.w_in.expand_as(ex.w_in))
+            ex.w_out.copy_(ffn.w_out.expand_as(ex.w_out))
+            if noise > 0:  # break the symmetry between copies, relative to each weight's spread
+                for w in (ex.w_in, ex.w_out):
+                    w.add_(torch.randn(w.shape, generator=gen).to(w) * noise * w.std())
+            if ex.b_in is not None:
+                ex.b_in.copy_(ffn.b_in.expand_as(ex.b_in))
+            if ex.b_out is not None:
+                ex.b_out.copy_(ffn.b_out.expand_as(ex.b_out))
+            block.router.weight.copy_(torch.randn(block.router.weight.shape, generator=gen) * 0.02)
+        return block
+    if i % experts:
+        raise MoECompileError(f"split needs experts to divide the FFN size: {i} neurons into {experts} experts")
+    config = MoEConfig(expert_size=i // experts, bias_out="shared" if ffn.b_out is not None else "none",
+                       gate_weighting="unit", **common)
+    block = MoEBlock(config).to(dtype=ffn.w_in.dtype, device=ffn.w_in.device)
+    groups = _neuron_groups(ffn, experts, seed)
+    w_in = ffn.w_in.reshape(-1, i, h)  # [1 or 2 (gate, up), I, H]
+    with torch.no_grad():
+        ex = block.experts
+        for e, idx in enumerate(groups):
+            ex.w_in[e] = w_in[:, idx].reshape(-1, h)
+            ex.w_out[e] = ffn.w_out[:, idx]
+            if ex.b_in is not None:
+                ex.b_in[e] = ffn.b_in.reshape(-1, i)[:, idx].reshape(-1)
+            block.router.weight[e] = w_in[0, idx].float().mean(0)
+        if block.bias is not None:
+            block.bias.copy_(ffn.b_out)
+    return block
+
+
+def moeize(model: nn.Module, experts: int = 16, top_k: int = 2, capacity_factor: float = 1.2,
+           method: str = "upcycle", layers=None, noise: float = 0.0, seed: int = 0,
+           example_args=None, example_kwargs=None, progress: bool = True) -> nn.Module:
+    """Replace the model's FFNs (those `layers` selects, in graph order) by MoEBlocks, in place; returns model."""
+    if not isinstance(experts, int) or experts < 1:
+        raise MoECompileError(f"experts must be a positive integer, got {experts!r}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise MoECompileError(f"top_k must be between 1 and experts ({experts}), got {top_k!r}")
+    if method not in METHODS:
+        raise MoECompileError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    found, skipped = find_dense_ffns(model, example_args, example_kwargs)
+    if not found:
+        why = f" ({'; '.join(skipped)})" if skipped else ""
+        raise MoECompileError(f"no FFN found in {type(model).__name__}{why}")
+    chosen = [found[i] for i in parse_layers(layers, len(found))]
+    if method == "split":
+        for ffn in chosen:
+            if ffn.intermediate_size % experts:
+                raise MoECompileError(f"split needs experts to divide the FFN size: {ffn.intermediate_size} "
+                                      f"neurons of {ffn.owner} into {experts} experts")
+    for n, ffn in enumerate(tqdm(chosen, desc=f"moeize ({method})", unit="layer", disable=not progress)):
+        block = build_block(ffn, experts, top_k, capacity_factor, method, noise, seed + n)
+        block.train(model.training)
+        model.set_submodule(ffn.owner, block)
+        for path in ffn.identity:
+            model.set_submodule(path, nn.Identity())
+        layout.record(model, ffn.owner, block.config, ffn.identity)
+    return model

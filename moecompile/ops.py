@@ -1,0 +1,178 @@
+"""The MoE ops: torch.library custom ops in the `moecompile` namespace.
+
+Each op is one graph node through torch.export, Dynamo and AOT autograd (register_fake gives its shapes) and
+runs the kernel the runtime registry picks for the input's device. Backward passes are ops too, so a device can
+supply fused backward kernels. Shapes: T tokens, k = top_k, E experts, N = T * k, H hidden, F expert rows.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from moecompile.runtime import kernel_for
+
+
+def _kernel(op: str, tensor: Tensor):
+    return kernel_for(op, tensor.device)
+
+
+# ---- route: router logits [T, E] -> weights [T, k] float32, expert ids [T, k] int64 (E marks a dropped slot)
+
+@torch.library.custom_op("moecompile::route", mutates_args=())
+def route(router_logits: Tensor, top_k: int, capacity_factor: float, renormalize: bool) -> tuple[Tensor, Tensor]:
+    return _kernel("route", router_logits)(router_logits, top_k, capacity_factor, renormalize)
+
+
+@route.register_fake
+def _(router_logits, top_k, capacity_factor, renormalize):
+    tokens = router_logits.shape[0]
+    return (router_logits.new_empty(tokens, top_k, dtype=torch.float32),
+            router_logits.new_empty(tokens, top_k, dtype=torch.int64))
+
+
+@torch.library.custom_op("moecompile::route_backward", mutates_args=())
+def route_backward(grad_weights: Tensor, router_logits: Tensor, expert_ids: Tensor, top_k: int,
+                   renormalize: bool) -> Tensor:
+    return _kernel("route_backward", router_logits)(grad_weights, router_logits, expert_ids, top_k, renormalize)
+
+
+@route_backward.register_fake
+def _(grad_weights, router_logits, expert_ids, top_k, renormalize):
+    return torch.empty_like(router_logits)
+
+
+def _route_setup(ctx, inputs, output):
+    router_logits, top_k, _, renormalize = inputs
+    ctx.save_for_backward(router_logits, output[1])
+    ctx.top_k, ctx.renormalize = top_k, renormalize
+
+
+def _route_backward(ctx, grad_weights, grad_ids):
+    router_logits, expert_ids = ctx.saved_tensors
+    grad = route_backward(grad_weights.contiguous(), router_logits, expert_ids, ctx.top_k, ctx.renormalize)
+    return grad, None, None, None
+
+
+route.register_autograd(_route_backward, setup_context=_route_setup)
+
+
+# ---- dispatch: tokens [T, H] -> rows in expert order [N, H], order [N] int64, offsets [E] int32
+
+@torch.library.custom_op("moecompile::dispatch", mutates_args=())
+def dispatch(hidden: Tensor, expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    return _kernel("dispatch", hidden)(hidden, expert_ids, num_experts)
+
+
+@dispatch.register_fake
+def _(hidden, expert_ids, num_experts):
+    rows = expert_ids.numel()
+    return (hidden.new_empty(rows, hidden.shape[-1]), expert_ids.new_empty(rows, dtype=torch.int64),
+            expert_ids.new_empty(num_experts, dtype=torch.int32))
+
+
+@torch.library.custom_op("moecompile::dispatch_backward", mutates_args=())
+def dispatch_backward(grad_sorted: Tensor, order: Tensor, tokens: int, top_k: int) -> Tensor:
+    return _kernel("dispatch_backward", grad_sorted)(grad_sorted, order, tokens, top_k)
+
+
+@dispatch_backward.register_fake
+def _(grad_sorted, order, tokens, top_k):
+    return grad_sorted.new_empty(tokens, grad_sorted.shape[-1])
+
+
+def _dispatch_setup(ctx, inputs, output):
+    hidden, expert_ids, _ = inputs
+    ctx.save_for_backward(output[1])
+    ctx.tokens, ctx.top_k = hidden.shape[0], expert_ids.shape[-1]
+
+
+def _dispatch_backward(ctx, grad_sorted, grad_order, grad_offsets):
+    (order,) = ctx.saved_tensors
+    return dispatch_backward(grad_sorted.contiguous(), order, ctx.tokens, ctx.top_k), None, None
+
+
+dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+# ---- experts: grouped FFN over rows in expert order, weights w_in [E, F, H], w_out [E, H, I]
+
+@torch.library.custom_op("moecompile::experts", mutates_args=())
+def experts(x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor], w_out: Tensor,
+            b_out: Optional[Tensor], activation: str, gated: bool) -> Tensor:
+    return _kernel("experts", x)(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
+
+
+@experts.register_fake
+def _(x, offsets, w_in, b_in, w_out, b_out, activation, gated):
+    return x.new_empty(x.shape[0], w_out.shape[1])
+
+
+@torch.library.custom_op("moecompile::experts_backward", mutates_args=())
+def experts_backward(grad_y: Tensor, x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor],
+                     w_out: Tensor, activation: str, gated: bool,
+                     has_b_out: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out); a missing bias's grad is an empty tensor
+    (custom ops cannot return None)."""
+    grads = _kernel("experts_backward", x)(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out)
+    return tuple(x.new_empty(0) if g is None else g for g in grads)
+
+
+@experts_backward.register_fake
+def _(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out):
+    return (torch.empty_like(x), torch.empty_like(w_in), x.new_empty(0) if b_in is None else torch.empty_like(b_in),
+            torch.empty_like(w_out), w_out.new_empty(w_out.shape[0], w_out.shape[1]) if has_b_out else x.new_empty(0))
+
+
+def _experts_setup(ctx, inputs, output):
+    x, offsets, w_in, b_in, w_out, b_out, activation, gated = inputs
+    ctx.save_for_backward(x, offsets, w_in, b_in, w_out)
+    ctx.activation, ctx.gated, ctx.has_b_out = activation, gated, b_out is not None
+
+
+def _experts_backward(ctx, grad_y):
+    x, offsets, w_in, b_in, w_out = ctx.saved_tensors
+    gx, gw_in, gb_in, gw_out, gb_out = experts_backward(grad_y.contiguous(), x, offsets, w_in, b_in, w_out,
+                                                        ctx.activation, ctx.gated, ctx.has_b_out)
+    return (gx, None, gw_in, gb_in if b_in is not None else None, gw_out, gb_out if ctx.has_b_out else None,
+            None, None)
+
+
+experts.register_autograd(_experts_backward, setup_context=_experts_setup)
+
+
+# ---- combine: rows in expert order [N, H] + weights [T, k] -> tokens [T, H]
+
+@torch.library.custom_op("moecompile::combine", mutates_args=())
+def combine(expert_out: Tensor, order: Tensor, weights: Tensor) -> Tensor:
+    return _kernel("combine", expert_out)(expert_out, order, weights)
+
+
+@combine.register_fake
+def _(expert_out, order, weights):
+    return expert_out.new_empty(weights.shape[0], expert_out.shape[-1])
+
+
+@torch.library.custom_op("moecompile::combine_backward", mutates_args=())
+def combine_backward(grad_out: Tensor, expert_out: Tensor, order: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    return _kernel("combine_backward", expert_out)(grad_out, expert_out, order, weights)
+
+
+@combine_backward.register_fake
+def _(grad_out, expert_out, order, weights):
+    return torch.empty_like(expert_out), torch.empty_like(weights)
+
+
+def _combine_setup(ctx, inputs, output):
+    expert_out, order, weights = inputs
+    ctx.save_for_backward(expert_out, order, weights)
+
+
+def _combine_backward(ctx, grad_out):
+    expert_out, order, weights = ctx.saved_tensors
+    grad_rows, grad_weights = combine_backward(grad_out.contiguous(), expert_out, order, weights)
+    return grad_rows, None, grad_weights
+
+
+combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+MOE_OPS = (route, dispatch, experts, combine)

@@ -1,0 +1,221 @@
+"""find_ffn: structural match of feed-forward blocks in an exported graph.
+
+An FFN is a linear whose input is an elementwise-only function of one linear's output (plain: act(x W1) W2) or
+of two linears' outputs on the same input (gated: act(x Wg) * (x Wu) Wd). Only structure is matched: GPT-2's
+NewGELU appears as mul/pow/tanh nodes, not aten.gelu. The activation is then identified by evaluating the matched
+chain on random inputs and comparing it with the activations the experts kernel knows.
+
+Works on the unlifted GraphModule of torch.export (`ep.module()`), where parameters are get_attr nodes named by
+their fully qualified names, so each match maps back to modules of the original model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+from torch import fx
+
+from moecompile.config import ACTIVATIONS, activation_fn as apply_activation
+
+aten = torch.ops.aten
+
+# ops that pass values through without computing: allowed inside an FFN chain and around its linears
+TRANSPARENT = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default, aten.contiguous.default,
+    aten.alias.default, aten.dropout.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
+    aten.type_as.default,
+}
+IGNORED_SINKS = {aten._assert_tensor_metadata.default}
+# linear-like ops: (data arg index, weight arg index, bias arg index or None, weight stored as [out, in]?)
+LINEAR_OPS = {
+    aten.linear.default: (0, 1, 2, True),
+    aten.addmm.default: (1, 2, 0, False),
+    aten.mm.default: (0, 1, None, False),
+    aten.matmul.default: (0, 1, None, False),
+}
+MAX_CHAIN_NODES = 64
+
+
+@dataclass
+class LinearRef:
+    """One linear of an FFN: where its parameters live in the model and how the weight is laid out."""
+    node: fx.Node
+    weight: str  # fully qualified parameter name
+    bias: str | None
+    out_in: bool  # weight is [out, in] (nn.Linear) rather than [in, out] (Conv1D, mm)
+
+    @property
+    def module(self) -> str:
+        return self.weight.rsplit(".", 1)[0] if "." in self.weight else ""
+
+
+@dataclass
+class FFNMatch:
+    up: LinearRef  # the linear whose output is (or is gated by) the activation; for gated, the ungated "up"
+    down: LinearRef
+    gate: LinearRef | None
+    activation: str
+    chain: list[fx.Node] = field(default_factory=list)
+    input: fx.Node | None = None  # the FFN input (data input of the first linear)
+
+    @property
+    def gated(self) -> bool:
+        return self.gate is not None
+
+    @property
+    def linears(self) -> list[LinearRef]:
+        return [r for r in (self.gate, self.up, self.down) if r is not None]
+
+    def describe(self) -> str:
+        kind = "gated" if self.gated else "plain"
+        ins = ", ".join(r.module for r in self.linears[:-1])
+        return f"{kind} FFN ({self.activation}): {ins} -> {self.down.module}"
+
+
+def _is_transparent(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target in TRANSPARENT:
+        return True
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.pointwise in tags
+
+
+def _linear_ref(node: fx.Node) -> LinearRef | None:
+    spec = LINEAR_OPS.get(node.target) if node.op == "call_function" else None
+    if spec is None:
+        return None
+    data_i, weight_i, bias_i, out_in = spec
+    args = node.args
+    weight = args[weight_i] if len(args) > weight_i else None
+    if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
+        return None
+    bias = args[bias_i] if bias_i is not None and len(args) > bias_i else None
+    if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr"):
+        return None
+    if len(weight.meta.get("val", torch.empty(0, 0)).shape) != 2:
+        return None
+    return LinearRef(node, weight.target, bias.target if bias is not None else None, out_in)
+
+
+def _data_input(ref: LinearRef) -> fx.Node:
+    return ref.node.args[LINEAR_OPS[ref.node.target][0]]
+
+
+def _strip_views(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and node.target in TRANSPARENT and not _is_pointwise(node):
+        node = node.args[0]
+    return node
+
+
+def node_graph(graph: fx.Graph) -> nx.DiGraph:
+    """The data-flow graph of an FX graph: an edge from each node to every user."""
+    g = nx.DiGraph()
+    for node in graph.nodes:
+        g.add_node(node)
+        for user in node.users:
+            g.add_edge(node, user)
+    return g
+
+
+def _chain_into(down: LinearRef, linears: dict[fx.Node, LinearRef], dfg: nx.DiGraph):
+    """The transparent nodes feeding `down` back to their linear sources, or None if anything else feeds it."""
+    chain, sources, stack = set(), set(), [_data_input(down)]
+    while stack:
+        node = stack.pop()
+        if node in chain or node in sources:
+            continue
+        if node in linears:
+            sources.add(node)
+        elif _is_transparent(node) and len(chain) < MAX_CHAIN_NODES:
+            chain.add(node)
+            stack.extend(a for a in node.all_input_nodes)
+        else:
+            return None, None
+    # the chain and its sources must feed nothing but the chain and the down projection
+    allowed = chain | {down.node}
+    for node in chain | sources:
+        for user in dfg.successors(node):
+            if user not in allowed and user.target not in IGNORED_SINKS:
+                return None, None
+    return chain, [linears[s] for s in sources]
+
+
+def _evaluate_chain(gm: fx.GraphModule, chain: set, sources: list[LinearRef], out: fx.Node, inputs):
+    """Run the matched chain alone as a function of its source linears' outputs."""
+    g = fx.Graph()
+    env = {s.node: g.placeholder(f"src{i}") for i, s in enumerate(sources)}
+    for node in gm.graph.nodes:  # graph order is a topological order
+        if node in chain:
+            env[node] = g.node_copy(node, lambda n: env[n])
+    g.output(env[out])
+    return fx.GraphModule(gm, g)(*inputs)
+
+
+def _identify(gm, chain, sources, out):
+    """Which known activation the chain computes; for gated chains also which source is the gate."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [s.node.meta["val"].shape for s in sources]
+    inputs = [torch.rand(shape, generator=gen) * 8 - 4 for shape in shapes]
+    try:
+        got = _evaluate_chain(gm, chain, sources, out, inputs).reshape(-1).float()
+    except Exception:  # noqa: BLE001 - an unevaluable chain is simply not an FFN we can rewrite
+        return None
+    if got.numel() != inputs[0].numel():
+        return None
+    flat = [t.reshape(-1) for t in inputs]
+    if len(sources) == 1:
+        candidates = [(name, None) for name in ACTIVATIONS]
+        compute = lambda name, _: apply_activation(name, flat[0])  # noqa: E731
+    else:
+        candidates = [(name, gate) for name in ACTIVATIONS for gate in (0, 1)]
+        compute = lambda name, gate: apply_activation(name, flat[gate]) * flat[1 - gate]  # noqa: E731
+    for name, gate in candidates:
+        if torch.allclose(got, compute(name, gate), rtol=1e-4, atol=1e-5):
+            return name, gate
+    return None
+
+
+def find_ffns(gm: fx.GraphModule) -> tuple[list[FFNMatch], list[str]]:
+    """All FFNs in graph order, and one line for each linear->elementwise->linear pattern that was rejected."""
+    linears = {n: ref for n in gm.graph.nodes if (ref := _linear_ref(n)) is not None}
+    dfg = node_graph(gm.graph)
+    matches, rejected = [], []
+    for node, down in linears.items():
+        chain, sources = _chain_into(down, linears, dfg)
+        if not chain or not sources or len(sources) > 2:
+            continue
+        if len(sources) == 2 and _strip_views(_data_input(sources[0])) is not _strip_views(_data_input(sources[1])):
+            continue
+        if len(sources) == 1 and all(n.target in TRANSPARENT and not _is_pointwise(n) for n in chain):
+            continue  # linear -> view -> linear: no activation, not an FFN
+        found = _identify(gm, chain, sources, _data_input(down))
+        if found is None:
+            rejected.append(f"{down.module}: elementwise chain is not a supported activation "
+                            f"({', '.join(ACTIVATIONS)})")
+            continue
+        activation, gate_index = found
+        gate = up = None
+        if gate_index is None:
+            up = sources[0]
+        else:
+            gate, up = sources[gate_index], sources[1 - gate_index]
+        ordered_chain = [n for n in gm.graph.nodes if n in chain]
+        matches.append(FFNMatch(up=up, down=down, gate=gate, activation=activation, chain=ordered_chain,
+                                input=_data_input(up)))
+    return matches, rejected
+
+
+def _is_pointwise(node: fx.Node) -> bool:
+    return torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def find_ffn(gm: fx.GraphModule, ctx) -> dict:
+    """Pass: annotate ctx.ffns with the FFNs of gm (graph order); the report lists them."""
+    matches, rejected = find_ffns(gm)
+    ctx.ffns = matches
+    for i, m in enumerate(matches):
+        for ref in m.linears:
+            ref.node.meta["moecompile_ffn"] = i
+    return {"matched": [m.describe() for m in matches], "rejected": rejected}
