@@ -262,6 +262,8 @@ def moeize(model: nn.Module, experts: int = 16, top_k: int = 2, capacity_factor:
         why = f" ({'; '.join(skipped)})" if skipped else ""
         raise MoECompileError(f"no FFN found in {type(model).__name__}{why}")
     chosen = [found[i] for i in parse_layers(layers, len(found))]
+    if not chosen:
+        raise MoECompileError(f"--layers {layers!r} selects none of the {len(found)} FFNs")
     if method == "split":
         for ffn in chosen:
             if ffn.intermediate_size % experts:
