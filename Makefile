@@ -22,7 +22,7 @@ demo: install
 	$(VENV)/bin/moecompile inspect $(DEMO_OUT)
 
 test: install
-	$(PY) -m pytest -q -n 2 --durations=15
+	$(PY) -m pytest -q -n 2 -m "not gpu" --durations=15
 
 clean:
 	rm -rf $(VENV) build

@@ -6,7 +6,10 @@ Layout conventions shared by every kernel:
 - dispatch() orders the N assignment rows by expert (stable: token order inside an expert, dropped rows last);
   `order[i]` is the flat assignment index (token * k + slot) of sorted row i, and `offsets[e]` is the end row of
   expert e's group (torch._grouped_mm's convention), so rows >= offsets[-1] are the dropped ones.
-- experts() writes zeros to the dropped rows, so combine() never reads uninitialised memory.
+- experts() here writes zeros to the dropped rows; device kernels may leave them unspecified, so combine() reads
+  only the rows of assignments with a nonzero weight.
+- No kernel synchronises with the host except experts(), which walks the groups on the host: route and dispatch
+  count with scatter_add rather than bincount (whose output size depends on the data).
 """
 import math
 
@@ -30,14 +33,18 @@ def _topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return weights, ids
 
 
+def _counts(flat_ids: torch.Tensor, bins: int) -> torch.Tensor:
+    return torch.zeros(bins, dtype=torch.int64, device=flat_ids.device).scatter_add_(
+        0, flat_ids, torch.ones_like(flat_ids))
+
+
 def _rank_in_expert(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Position of each assignment in its expert's queue, in the order of flat_ids (no host sync)."""
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts)
+    counts = _counts(flat_ids, num_experts)
     starts = torch.cumsum(counts, 0) - counts
-    rank = torch.empty_like(flat_ids)
-    rank[order] = torch.arange(flat_ids.numel(), device=flat_ids.device) - starts[flat_ids[order]]
-    return rank
+    sorted_rank = torch.arange(flat_ids.numel(), device=flat_ids.device) - starts[flat_ids[order]]
+    return torch.empty_like(flat_ids).scatter_(0, order, sorted_rank)
 
 
 def route(router_logits: torch.Tensor, top_k: int, capacity_factor: float, renormalize: bool):
@@ -79,7 +86,7 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
     top_k = expert_ids.shape[-1]
     flat_ids = expert_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts]
+    counts = _counts(flat_ids, num_experts + 1)[:num_experts]
     offsets = torch.cumsum(counts, 0).to(torch.int32)
     return hidden.index_select(0, order // top_k), order, offsets
 
@@ -150,7 +157,9 @@ def combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     tokens, top_k = weights.shape
     rows = _unpermute(expert_out, order, tokens, top_k)
     acc = _acc_dtype(expert_out.dtype)
-    return (rows.to(acc) * weights.to(acc).unsqueeze(-1)).sum(1).to(expert_out.dtype)
+    kept = (weights != 0).unsqueeze(-1)
+    terms = torch.where(kept, rows.to(acc) * weights.to(acc).unsqueeze(-1), 0.0)
+    return terms.sum(1).to(expert_out.dtype)
 
 
 def combine_backward(grad_out, expert_out, order, weights):
@@ -158,7 +167,7 @@ def combine_backward(grad_out, expert_out, order, weights):
     tokens, top_k = weights.shape
     rows = _unpermute(expert_out, order, tokens, top_k)
     acc = _acc_dtype(expert_out.dtype)
-    grad_weights = (rows.to(acc) * grad_out.to(acc).unsqueeze(1)).sum(-1)
+    grad_weights = torch.where(weights != 0, (rows.to(acc) * grad_out.to(acc).unsqueeze(1)).sum(-1), 0.0)
     grad_rows = grad_out.to(acc).unsqueeze(1) * weights.to(acc).unsqueeze(-1)
     grad_rows = grad_rows.reshape(tokens * top_k, grad_out.shape[-1])
     return grad_rows.index_select(0, order).to(expert_out.dtype), grad_weights.to(weights.dtype)

@@ -6,6 +6,7 @@ is how device kernels are checked against them.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Callable
 
@@ -15,6 +16,9 @@ from moecompile.kernels import reference
 
 REFERENCE = "reference"
 _KERNELS: dict[tuple[str, str], Callable] = {}
+# device kernels, imported on first use of their device type (they need triton, which CPU installs may lack)
+DEVICE_MODULES = {"cuda": "moecompile.runtime.cuda"}
+_loaded: set[str] = set()
 
 
 def register_kernel(op: str, device_type: str, fn: Callable | None = None):
@@ -27,6 +31,10 @@ def register_kernel(op: str, device_type: str, fn: Callable | None = None):
 
 def kernel_for(op: str, device: torch.device | str) -> Callable:
     device_type = torch.device(device).type
+    if device_type not in _loaded:
+        _loaded.add(device_type)
+        if device_type in DEVICE_MODULES:
+            importlib.import_module(DEVICE_MODULES[device_type])
     if os.environ.get("MOECOMPILE_KERNELS") != REFERENCE and (op, device_type) in _KERNELS:
         return _KERNELS[(op, device_type)]
     try:

@@ -1,8 +1,15 @@
 """Shared fixtures: tiny random Hugging Face models (float32, CPU, eval mode, fixed seed) and a runner."""
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+# Triton kernels run in Triton's interpreter wherever there is no GPU (CI); must be set before triton compiles them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 SEED = 0
 VOCAB = 100

@@ -312,8 +312,19 @@ def test_registered_kernels_is_a_copy(isolated_registry):
 
 def test_kernel_for_falls_back_to_reference(isolated_registry):
     for name in OP_NAMES:
-        for device in ("cpu", torch.device("cpu"), "meta", "cuda"):
+        for device in ("cpu", torch.device("cpu"), "meta"):
             assert kernel_for(name, device) is getattr(R, name)
+
+
+def test_cuda_kernels_load_on_first_use_and_reference_can_be_forced(monkeypatch):
+    from moecompile.kernels import cuda as C
+
+    for name in ("experts", "experts_backward", "combine"):
+        assert kernel_for(name, "cuda") is getattr(C, name)
+    for name in ("route", "dispatch"):  # sync-free reference kernels serve CUDA too
+        assert kernel_for(name, "cuda") is getattr(R, name)
+    monkeypatch.setenv("MOECOMPILE_KERNELS", "reference")
+    assert kernel_for("experts", "cuda") is R.experts
 
 
 def test_kernel_for_unknown_op(isolated_registry):

@@ -1,0 +1,12 @@
+"""CUDA kernels: registered for device type "cuda" when triton is available, else the reference kernels run."""
+import warnings
+
+from .registry import register_kernel
+
+try:
+    from moecompile.kernels import cuda as _cuda
+except ImportError as e:  # no triton: the reference kernels (plain PyTorch) also run on CUDA
+    warnings.warn(f"moecompile: CUDA kernels unavailable ({e}); using the reference kernels", stacklevel=2)
+else:
+    for _op in ("experts", "experts_backward", "combine"):
+        register_kernel(_op, "cuda", getattr(_cuda, _op))

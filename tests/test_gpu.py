@@ -1,0 +1,131 @@
+"""GPU runtime on CUDA (marker gpu: deselected in CI, run on the device with `pytest -m gpu`).
+
+The CUDA kernels (grouped_mm + Triton) against float32 references on fresh random inputs, capacity modes,
+backward, CUDA-graph capture and the absence of host synchronisation.
+"""
+import pytest
+import torch
+
+from moecompile import MoEBlock, MoEConfig, ops
+from moecompile.kernels import cuda as C
+from moecompile.kernels import reference as R
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def _weights(e, h, i, gated, bias, gen):
+    f = 2 * i if gated else i
+    w_in = torch.randn(e, f, h, generator=gen, device=DEVICE) * h ** -0.5
+    w_out = torch.randn(e, h, i, generator=gen, device=DEVICE) * i ** -0.5
+    b_in = torch.randn(e, f, generator=gen, device=DEVICE) * 0.1 if bias else None
+    b_out = torch.randn(e, h, generator=gen, device=DEVICE) * 0.1 if bias else None
+    return w_in, b_in, w_out, b_out
+
+
+def _bf16(*ts):
+    return [None if t is None else t.bfloat16() for t in ts]
+
+
+@pytest.mark.parametrize("activation,gated", [("silu", True), ("gelu_tanh", False), ("gelu", False), ("relu", True)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0, -1.5])
+def test_cuda_layer_matches_float32_reference(activation, gated, bias, capacity_factor):
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    tokens, e, k, h, i = 1000, 8, 2, 256, 512
+    w_in, b_in, w_out, b_out = _weights(e, h, i, gated, bias, gen)
+    x = torch.randn(tokens, h, generator=gen, device=DEVICE)
+    logits = torch.randn(tokens, e, generator=gen, device=DEVICE)
+    weights, ids = ops.route(logits, k, capacity_factor, True)
+    xb, w_in_b, b_in_b, w_out_b, b_out_b = _bf16(x, w_in, b_in, w_out, b_out)
+    rows, order, offsets = ops.dispatch(xb, ids, e)
+    y = C.experts(rows, offsets, w_in_b, b_in_b, w_out_b, b_out_b, activation, gated)
+    out = C.combine(y, order, weights)
+    # float32 reference from the same bf16-rounded inputs
+    rows32, order32, offsets32 = R.dispatch(xb.float(), ids, e)
+    y32 = R.experts(rows32, offsets32, *[None if t is None else t.float() for t in (w_in_b, b_in_b, w_out_b, b_out_b)],
+                    activation, gated)
+    ref = R.combine(y32, order32, weights)
+    assert _rel(out, ref) <= 1e-2
+    # every kept assignment appears exactly once, dropped ones last
+    assert torch.equal(torch.sort(order).values, torch.arange(tokens * k, device=DEVICE))
+    kept = int((ids < e).sum())
+    assert int(offsets[-1]) == kept
+    if capacity_factor == 0:
+        assert kept == tokens * k
+
+
+@pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
+def test_cuda_backward_matches_reference(gated, bias):
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    tokens, e, k, h, i = 512, 4, 2, 128, 256
+    w_in, b_in, w_out, b_out = _weights(e, h, i, gated, bias, gen)
+    x = torch.randn(tokens, h, generator=gen, device=DEVICE)
+    weights, ids = ops.route(torch.randn(tokens, e, generator=gen, device=DEVICE), k, 1.0, True)
+    rows, order, offsets = ops.dispatch(x.bfloat16(), ids, e)
+    grad_y = torch.randn(rows.shape[0], h, generator=gen, device=DEVICE).bfloat16()
+    grad_y[int(offsets[-1]):] = 0  # combine's backward gives dropped rows no gradient
+    args = _bf16(w_in, b_in, w_out)
+    got = C.experts_backward(grad_y, rows, offsets, *args, "silu", gated, bias)
+    want = R.experts_backward(grad_y.float(), rows.float(), offsets, *[None if t is None else t.float() for t in args],
+                              "silu", gated, bias)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert _rel(g, w) <= 2e-2
+
+
+def _block(gated=True, bias=False, e=8, k=2, capacity_factor=0.0):
+    cfg = MoEConfig(hidden_size=256, expert_size=512, num_experts=e, top_k=k, capacity_factor=capacity_factor,
+                    activation="silu" if gated else "gelu_tanh", gated=gated, bias_in=bias,
+                    bias_out="expert" if bias else "none")
+    return MoEBlock(cfg).to(DEVICE, torch.bfloat16)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.25])
+def test_block_forward_has_no_host_sync_and_captures_in_a_cuda_graph(capacity_factor):
+    torch.manual_seed(0)
+    block = _block(capacity_factor=capacity_factor).eval()
+    x = torch.randn(4, 128, 256, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = block(x)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any host synchronisation raises
+        try:
+            block(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            block(x)  # warm-up on a side stream, as graph capture requires
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        static_x = x.clone()
+        with torch.cuda.graph(graph):
+            static_y = block(static_x)
+        graph.replay()
+        torch.testing.assert_close(static_y, eager)
+        static_x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(static_y, block(static_x))
+
+
+def test_block_training_step_on_gpu_matches_reference_kernels(monkeypatch):
+    torch.manual_seed(0)
+    block = _block(gated=False, bias=True).train()
+    x = torch.randn(2, 64, 256, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    (block(x).float().square().mean()).backward()
+    grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+    gx = x.grad.clone()
+    block.zero_grad()
+    x.grad = None
+    monkeypatch.setenv("MOECOMPILE_KERNELS", "reference")
+    (block(x).float().square().mean()).backward()
+    assert _rel(gx, x.grad) <= 2e-2
+    for n, p in block.named_parameters():
+        assert _rel(grads[n], p.grad) <= 3e-2, n
