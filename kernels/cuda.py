@@ -4,10 +4,15 @@ for the fused bias + activation and the weighted combine. No host synchronisatio
 Rows of `experts`' output at or past offsets[-1] (dropped assignments) are left unspecified here; combine never
 reads them. Shapes grouped_mm cannot take (non-bf16, unaligned, pre-Hopper, empty) go to the reference kernels.
 """
+import os
+
 import torch
 
 from . import reference, triton_moe
-from .activations import expert_activation_backward
+
+# first projection: "triton" = one Triton grouped GEMM with bias + activation in its epilogue; "grouped_mm" =
+# torch._grouped_mm then the Triton activation pass. Chosen by measurement (bench/moe_layer.py).
+FFN_IN = os.environ.get("MOECOMPILE_FFN_IN", "triton")
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -31,8 +36,11 @@ def _row_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
 def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     if not grouped_mm_supported(x, w_in, w_out):
         return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
-    h = _grouped(x, w_in.transpose(-2, -1), offsets)
-    a = triton_moe.expert_activation(h, offsets, b_in, activation, gated)
+    if FFN_IN == "triton":
+        a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated)
+    else:
+        h = _grouped(x, w_in.transpose(-2, -1), offsets)
+        a = triton_moe.expert_activation(h, offsets, b_in, activation, gated)
     y = _grouped(a, w_out.transpose(-2, -1), offsets)
     if b_out is not None:
         rows = _row_expert(offsets, y.shape[0]).clamp_max(w_out.shape[0] - 1)
@@ -51,15 +59,11 @@ def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gat
         return reference.experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out)
     num_experts, n_rows = w_in.shape[0], x.shape[0]
     h = _grouped(x, w_in.transpose(-2, -1), offsets)  # recomputed rather than kept from the forward
-    if b_in is not None:
-        h = h + b_in.index_select(0, _row_expert(offsets, n_rows).clamp_max(num_experts - 1))
-    a = triton_moe.expert_activation(h, offsets, None, activation, gated)
     grad_a = _grouped(grad_y, w_out, offsets)
+    a, grad_h = triton_moe.expert_activation_backward(h, offsets, b_in, grad_a, activation, gated)
     grad_w_out = _grouped(grad_y.t(), a, offsets)
-    grad_h = expert_activation_backward(activation, gated, h.float(), grad_a.float()).to(h.dtype)
-    dropped = (torch.arange(n_rows, device=x.device) >= offsets[-1]).unsqueeze(1)
-    grad_h.masked_fill_(dropped, 0)
     grad_w_in = _grouped(grad_h.t(), x, offsets)
+    dropped = (torch.arange(n_rows, device=x.device) >= offsets[-1]).unsqueeze(1)
     grad_x = _grouped(grad_h, w_in, offsets).masked_fill_(dropped, 0)
     grad_b_in = _segment_sum(grad_h, offsets, num_experts) if b_in is not None else None
     grad_b_out = _segment_sum(grad_y, offsets, num_experts) if has_b_out else None
@@ -67,6 +71,12 @@ def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gat
 
 
 def combine(expert_out, order, weights):
-    if not expert_out.is_cuda:
-        return reference.combine(expert_out, order, weights)
     return triton_moe.combine(expert_out, order, weights)
+
+
+def combine_backward(grad_out, expert_out, order, weights):
+    return triton_moe.combine_backward(grad_out, expert_out, order, weights)
+
+
+def dispatch_backward(grad_sorted, order, tokens: int, top_k: int):
+    return triton_moe.gather_sum(grad_sorted, order, tokens, top_k)

@@ -23,6 +23,22 @@ def _activation(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _activation_grad(x, ACT: tl.constexpr):
+    if ACT == 0:
+        cdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
+        return cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+    elif ACT == 1:
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+    elif ACT == 2:
+        return (x > 0).to(tl.float32)
+    else:
+        sig = tl.sigmoid(x)
+        return sig * (1.0 + x * (1.0 - sig))
+
+
+@triton.jit
 def _row_expert(rows, offsets_ptr, num_experts, E_PAD: tl.constexpr):
     """Expert of each sorted row: the number of group ends at or before it (offsets are cumulative ends)."""
     e = tl.arange(0, E_PAD)
@@ -73,6 +89,60 @@ def expert_activation(h: torch.Tensor, offsets: torch.Tensor, bias, activation: 
 
 
 @triton.jit
+def _expert_activation_backward_kernel(h_ptr, bias_ptr, offsets_ptr, grad_a_ptr, a_ptr, grad_h_ptr, n_rows, width,
+                                       num_experts, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+                                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, E_PAD: tl.constexpr):
+    """From h (pre-bias) and dL/da: a = act(...) (for the w_out gradient) and dL/dh, in one pass. Contiguous rows;
+    rows past the last group (dropped) get a zero gradient."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < width)[None, :]
+    in_width = 2 * width if GATED else width
+    h_row = h_ptr + rows[:, None].to(tl.int64) * in_width
+    x = tl.load(h_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        up = tl.load(h_row + width + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        expert = _row_expert(rows, offsets_ptr, num_experts, E_PAD)
+        b_row = bias_ptr + expert[:, None].to(tl.int64) * in_width
+        x += tl.load(b_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GATED:
+            up += tl.load(b_row + width + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    last = tl.load(offsets_ptr + num_experts - 1)
+    g = tl.load(grad_a_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.where((rows < last)[:, None], g, 0.0)
+    act = _activation(x, ACT)
+    out_row = rows[:, None].to(tl.int64)
+    if GATED:
+        tl.store(a_ptr + out_row * width + cols[None, :], (act * up).to(a_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_h_ptr + out_row * in_width + cols[None, :],
+                 (g * up * _activation_grad(x, ACT)).to(grad_h_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_h_ptr + out_row * in_width + width + cols[None, :], (g * act).to(grad_h_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        tl.store(a_ptr + out_row * width + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_h_ptr + out_row * in_width + cols[None, :],
+                 (g * _activation_grad(x, ACT)).to(grad_h_ptr.dtype.element_ty), mask=mask)
+
+
+def expert_activation_backward(h, offsets, bias, grad_a, activation: str, gated: bool,
+                               block_m: int = 32, block_n: int = 128):
+    """Returns (a, grad_h): the forward activation output and the gradient w.r.t. h (zero on dropped rows)."""
+    h, grad_a = h.contiguous(), grad_a.contiguous()
+    n_rows, width = grad_a.shape
+    a, grad_h = h.new_empty(n_rows, width), torch.empty_like(h)
+    if n_rows == 0:
+        return a, grad_h
+    num_experts = offsets.shape[0]
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(width, block_n))
+    _expert_activation_backward_kernel[grid](
+        h, bias if bias is not None else h, offsets, grad_a, a, grad_h, n_rows, width, num_experts,
+        HAS_BIAS=bias is not None, GATED=gated, ACT=ACTIVATION_IDS[activation], BLOCK_M=block_m, BLOCK_N=block_n,
+        E_PAD=triton.next_power_of_2(num_experts))
+    return a, grad_h
+
+
+@triton.jit
 def _combine_kernel(y_ptr, row_of_ptr, w_ptr, out_ptr, tokens, hidden, stride_y, stride_out,
                     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -104,4 +174,146 @@ def combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(hidden, block_h))
     _combine_kernel[grid](expert_out, row_of, weights, out, tokens, hidden, expert_out.stride(0), out.stride(0),
                           TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h)
+    return out
+
+
+@triton.jit
+def _combine_backward_kernel(grad_out_ptr, y_ptr, row_of_ptr, w_ptr, grad_rows_ptr, grad_w_ptr, tokens,
+                             hidden: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Per token block: dL/d(row) = w * dL/d(out) scattered to each assignment's row, and dL/dw = <dL/d(out), row>
+    (the hidden dim is looped here so the dot product needs no atomics)."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tok < tokens
+    for j in range(TOP_K):
+        w = tl.load(w_ptr + tok * TOP_K + j, mask=tmask, other=0.0)
+        row = tl.load(row_of_ptr + tok * TOP_K + j, mask=tmask, other=0).to(tl.int64)
+        keep = tmask & (w != 0.0)
+        dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for h0 in range(0, hidden, BLOCK_H):  # hidden is a constexpr (one compile per model width): the interpreter needs it
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cmask = cols < hidden
+            g = tl.load(grad_out_ptr + tok[:, None].to(tl.int64) * hidden + cols[None, :],
+                        mask=tmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + row[:, None] * hidden + cols[None, :], mask=keep[:, None] & cmask[None, :],
+                        other=0.0).to(tl.float32)
+            dot += tl.sum(g * y, axis=1)
+            tl.store(grad_rows_ptr + row[:, None] * hidden + cols[None, :],
+                     (g * w[:, None]).to(grad_rows_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
+        tl.store(grad_w_ptr + tok * TOP_K + j, dot, mask=tmask)
+
+
+def combine_backward(grad_out, expert_out, order, weights, block_t: int = 16, block_h: int = 256):
+    """Returns (grad_expert_out, grad_weights); dropped assignments get zero gradients."""
+    tokens, top_k = weights.shape
+    grad_out, expert_out = grad_out.contiguous(), expert_out.contiguous()
+    grad_rows = torch.empty_like(expert_out)
+    grad_w = torch.empty(tokens, top_k, dtype=torch.float32, device=weights.device)
+    if tokens == 0:
+        return grad_rows, grad_w.to(weights.dtype)
+    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    _combine_backward_kernel[(triton.cdiv(tokens, block_t),)](
+        grad_out, expert_out, row_of, weights.float().contiguous(), grad_rows, grad_w, tokens, expert_out.shape[1],
+        TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h)
+    return grad_rows, grad_w.to(weights.dtype)
+
+
+def gather_sum(rows: torch.Tensor, order: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """out[t] = sum_j rows[row of (t, j)]: dispatch's backward as a per-token gather instead of atomic adds."""
+    ones = torch.ones(tokens, top_k, dtype=torch.float32, device=rows.device)
+    return combine(rows, order, ones)
+
+
+# ---- grouped first projection with the activation in its epilogue (the expert_activation pass disappears)
+
+def _ffn_in_configs():
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in ((128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 4),
+                                 (128, 128, 8, 4), (64, 128, 8, 3))]
+
+
+@triton.jit
+def _grouped_ffn_in_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows, num_experts, rows_bucket,
+                           hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                           ACT: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """out[r] = act(x[r] W_in[e]^T + b_in[e]) for the rows r of each expert e's group (gated: act(gate) * up).
+    M tiles never straddle two experts; the tile table is rebuilt from offsets in every program (E values), so
+    no host-side schedule is needed and the launch stays capturable."""
+    e_idx = tl.arange(0, E_PAD)
+    valid = e_idx < num_experts
+    ends = tl.load(offsets_ptr + e_idx, mask=valid, other=0)
+    begins = tl.load(offsets_ptr + e_idx - 1, mask=valid & (e_idx > 0), other=0)
+    tile_ends = tl.cumsum((ends - begins + BLOCK_M - 1) // BLOCK_M, axis=0)
+    total_tiles = tl.max(tl.where(valid, tile_ends, 0), axis=0)
+    tile_ends = tl.where(valid, tile_ends, 2147483647)
+
+    pid = tl.program_id(0)
+    max_tiles_m = tl.cdiv(n_rows, BLOCK_M) + num_experts
+    tiles_n: tl.constexpr = (width + BLOCK_N - 1) // BLOCK_N
+    group = pid // (GROUP_M * tiles_n)  # grouped ordering: neighbouring programs share weight and row tiles in L2
+    first_m = group * GROUP_M
+    group_size = tl.minimum(max_tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
+    pid_n = (pid % (GROUP_M * tiles_n)) // group_size
+    if pid_m < total_tiles:
+        expert = tl.sum((tile_ends <= pid_m).to(tl.int32), axis=0)
+        tile_start = tl.sum(tl.where(e_idx == expert - 1, tile_ends, 0), axis=0)
+        row_begin = tl.sum(tl.where(e_idx == expert, begins, 0), axis=0)
+        row_end = tl.sum(tl.where(e_idx == expert, ends, 0), axis=0)
+        rows = row_begin + (pid_m - tile_start) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < width
+        in_width: tl.constexpr = 2 * width if GATED else width
+        w_base = w_ptr + expert.to(tl.int64) * in_width * hidden
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < hidden
+            a = tl.load(x_ptr + rows[:, None].to(tl.int64) * hidden + ks[None, :],
+                        mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(w_base + cols[None, :].to(tl.int64) * hidden + ks[:, None],
+                        mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+            if GATED:
+                bu = tl.load(w_base + (width + cols[None, :]).to(tl.int64) * hidden + ks[:, None],
+                             mask=kmask[:, None] & cmask[None, :], other=0.0)
+                acc_up = tl.dot(a, bu, acc_up)
+        if HAS_BIAS:
+            b_row = bias_ptr + expert.to(tl.int64) * in_width
+            acc += tl.load(b_row + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(b_row + width + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        out = _activation(acc, ACT)
+        if GATED:
+            out = out * acc_up
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+_grouped_ffn_in_tuned = triton.autotune(configs=_ffn_in_configs(),
+                                        key=["rows_bucket", "hidden", "width", "num_experts", "GATED"])(
+    _grouped_ffn_in_kernel)
+
+
+def grouped_ffn_in(x: torch.Tensor, offsets: torch.Tensor, w_in: torch.Tensor, b_in, activation: str, gated: bool,
+                   config: dict | None = None) -> torch.Tensor:
+    """Fused first projection + bias + activation over rows in expert order; rows past offsets[-1] untouched.
+    `config` fixes the tiles (tests, the interpreter: BLOCK_M/N/K, GROUP_M); otherwise autotuned per shape."""
+    n_rows, hidden = x.shape
+    num_experts, in_width, _ = w_in.shape
+    width = in_width // 2 if gated else in_width
+    out = x.new_empty(n_rows, width)
+    if n_rows == 0:
+        return out
+    x, w_in = x.contiguous(), w_in.contiguous()
+
+    def grid(meta):
+        return ((triton.cdiv(n_rows, meta["BLOCK_M"]) + num_experts) * triton.cdiv(width, meta["BLOCK_N"]),)
+
+    kernel = _grouped_ffn_in_kernel if config is not None else _grouped_ffn_in_tuned
+    kernel[grid](x, w_in, b_in if b_in is not None else x, offsets, out, n_rows, num_experts,
+                 triton.next_power_of_2(n_rows), hidden=hidden, width=width, HAS_BIAS=b_in is not None, GATED=gated,
+                 ACT=ACTIVATION_IDS[activation], E_PAD=triton.next_power_of_2(num_experts), **(config or {}))
     return out

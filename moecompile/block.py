@@ -9,6 +9,15 @@ from . import ops
 from .config import MoEConfig
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Router logits in float32 whatever the model dtype. On CUDA with 16-bit inputs the product runs on tensor
+    cores with a float32 output (products of 16-bit values are exact in float32; only the summation order
+    differs from upcasting first), instead of an upcast copy of x and a float32 GEMM."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
+
+
 class MoEExperts(nn.Module):
     """Expert weights stacked on a leading expert dim: w_in [E, F, H] (F = 2I gate|up when gated), w_out [E, H, I]."""
 
@@ -53,7 +62,7 @@ class MoEBlock(nn.Module):
         if self.training and self.config.router_jitter > 0:
             eps = self.config.router_jitter
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
-        return F.linear(x.float(), self.router.weight.float())  # routing in fp32 whatever the model dtype
+        return router_logits(x, self.router.weight)
 
     def forward(self, hidden_states: torch.Tensor, top_k: int | None = None,
                 capacity_factor: float | None = None) -> torch.Tensor:

@@ -34,7 +34,9 @@ def _bf16(*ts):
 @pytest.mark.parametrize("activation,gated", [("silu", True), ("gelu_tanh", False), ("gelu", False), ("relu", True)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0, -1.5])
-def test_cuda_layer_matches_float32_reference(activation, gated, bias, capacity_factor):
+@pytest.mark.parametrize("ffn_in", ["triton", "grouped_mm"])
+def test_cuda_layer_matches_float32_reference(activation, gated, bias, capacity_factor, ffn_in, monkeypatch):
+    monkeypatch.setattr(C, "FFN_IN", ffn_in)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     tokens, e, k, h, i = 1000, 8, 2, 256, 512
     w_in, b_in, w_out, b_out = _weights(e, h, i, gated, bias, gen)

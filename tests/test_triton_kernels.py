@@ -49,3 +49,59 @@ def test_combine_empty_batch():
     y = torch.zeros(0, 4)
     out = triton_moe.combine(y, torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2))
     assert out.shape == (0, 4)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu"])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_expert_activation_backward_matches_autograd(activation, gated, bias):
+    gen = torch.Generator().manual_seed(3)
+    offsets = _offsets([5, 0, 4])  # 9 kept rows, 3 dropped
+    rows, width = 12, 6
+    h = torch.randn(rows, 2 * width if gated else width, generator=gen) * 2
+    b = torch.randn(3, h.shape[1], generator=gen) if bias else None
+    grad_a = torch.randn(rows, width, generator=gen)
+    a, grad_h = triton_moe.expert_activation_backward(h, offsets, b, grad_a, activation, gated, block_m=16, block_n=8)
+    expert = torch.searchsorted(offsets, torch.arange(rows, dtype=torch.int32), right=True).clamp_max(2)
+    hv = h.clone().requires_grad_()
+    want_a = expert_activation(activation, gated, hv + b[expert] if bias else hv)
+    (want_grad,) = torch.autograd.grad(want_a[:9], hv, grad_a[:9])
+    torch.testing.assert_close(a[:9], want_a[:9].detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad_h, want_grad, atol=1e-5, rtol=1e-5)  # dropped rows: zero
+
+
+def test_combine_backward_and_gather_sum_match_reference():
+    gen = torch.Generator().manual_seed(4)
+    tokens, experts, hidden, top_k = 9, 4, 20, 2
+    weights, ids = R.route(torch.randn(tokens, experts, generator=gen), top_k, 0.6, True)
+    assert (ids == experts).any()
+    rows, order, offsets = R.dispatch(torch.randn(tokens, hidden, generator=gen), ids, experts)
+    y = torch.randn(rows.shape[0], hidden, generator=gen)
+    grad_out = torch.randn(tokens, hidden, generator=gen)
+    got_rows, got_w = triton_moe.combine_backward(grad_out, y, order, weights, block_t=8, block_h=8)
+    want_rows, want_w = R.combine_backward(grad_out, y, order, weights)
+    torch.testing.assert_close(got_w, want_w, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_rows, want_rows, atol=1e-6, rtol=1e-6)
+    grad_sorted = torch.randn(rows.shape[0], hidden, generator=gen)
+    torch.testing.assert_close(triton_moe.gather_sum(grad_sorted, order, tokens, top_k),
+                               R.dispatch_backward(grad_sorted, order, tokens, top_k), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("activation,gated,bias", [("silu", True, False), ("gelu_tanh", False, True),
+                                                   ("relu", True, True), ("gelu", False, False)])
+def test_grouped_ffn_in_matches_reference(activation, gated, bias):
+    gen = torch.Generator().manual_seed(5)
+    counts = [20, 0, 9, 3]  # empty expert, groups not multiples of the tile, 4 dropped rows after
+    offsets = _offsets(counts)
+    rows, hidden, width = 36, 24, 20
+    x = torch.randn(rows, hidden, generator=gen)
+    w_in = torch.randn(4, 2 * width if gated else width, hidden, generator=gen) * 0.3
+    b_in = torch.randn(4, w_in.shape[1], generator=gen) if bias else None
+    got = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated,
+                                    config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2})
+    kept = int(offsets[-1])
+    expert = torch.searchsorted(offsets, torch.arange(kept, dtype=torch.int32), right=True)
+    h = torch.einsum("rh,rfh->rf", x[:kept], w_in[expert])
+    if bias:
+        h = h + b_in[expert]
+    torch.testing.assert_close(got[:kept], expert_activation(activation, gated, h), atol=1e-4, rtol=1e-4)
