@@ -40,7 +40,7 @@ def _counts(flat_ids: torch.Tensor, bins: int) -> torch.Tensor:
 
 def _rank_in_expert(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Position of each assignment in its expert's queue, in the order of flat_ids (no host sync)."""
-    order = torch.argsort(flat_ids, stable=True)
+    order = torch.argsort(flat_ids.to(torch.int32), stable=True)  # 32-bit keys: half the radix passes
     counts = _counts(flat_ids, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     sorted_rank = torch.arange(flat_ids.numel(), device=flat_ids.device) - starts[flat_ids[order]]
@@ -85,7 +85,7 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
     """Permute token rows into expert-contiguous order. Returns (sorted_hidden, order, offsets)."""
     top_k = expert_ids.shape[-1]
     flat_ids = expert_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
+    order = torch.argsort(flat_ids.to(torch.int32), stable=True)  # 32-bit keys: half the radix passes
     counts = _counts(flat_ids, num_experts + 1)[:num_experts]
     offsets = torch.cumsum(counts, 0).to(torch.int32)
     return hidden.index_select(0, order // top_k), order, offsets

@@ -13,8 +13,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Router logits in float32 whatever the model dtype. On CUDA with 16-bit inputs the product runs on tensor
     cores with a float32 output (products of 16-bit values are exact in float32; only the summation order
     differs from upcasting first), instead of an upcast copy of x and a float32 GEMM."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and not needs_grad:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)  # (no derivative for this overload)
     return F.linear(x.float(), weight.float())
 
 
