@@ -10,9 +10,20 @@ import torch
 
 from . import reference, triton_moe
 
-# first projection: "triton" = one Triton grouped GEMM with bias + activation in its epilogue; "grouped_mm" =
-# torch._grouped_mm then the Triton activation pass. Chosen by measurement (bench/moe_layer.py).
-FFN_IN = os.environ.get("MOECOMPILE_FFN_IN", "triton")
+# First projection: "triton" = one Triton grouped GEMM with bias + activation in its epilogue; "grouped_mm" =
+# torch._grouped_mm (CUTLASS) then the Triton activation pass; "auto" picks per shape from the measurements below.
+FFN_IN = os.environ.get("MOECOMPILE_FFN_IN", "auto")
+# (hidden, expert_size, experts) -> faster first projection on an H200, from bench/results/gpu-moe-layer.md.
+# The fused kernel wins where the hidden size is large (long K loop, the activation pass then costs most);
+# unmeasured shapes use grouped_mm.
+MEASURED_FFN_IN = {(7168, 2048, 256): "triton", (768, 3072, 16): "triton", (4096, 14336, 8): "grouped_mm",
+                   (2048, 768, 128): "grouped_mm"}
+
+
+def _ffn_in_variant(hidden: int, expert_size: int, num_experts: int) -> str:
+    if FFN_IN != "auto":
+        return FFN_IN
+    return MEASURED_FFN_IN.get((hidden, expert_size, num_experts), "grouped_mm")
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -36,7 +47,7 @@ def _row_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
 def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     if not grouped_mm_supported(x, w_in, w_out):
         return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
-    if FFN_IN == "triton":
+    if _ffn_in_variant(x.shape[1], w_out.shape[2], w_out.shape[0]) == "triton":
         a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated)
     else:
         h = _grouped(x, w_in.transpose(-2, -1), offsets)
