@@ -11,6 +11,8 @@ from .checkpoint import load, save
 from .config import MoEConfig
 from .convert import moeize
 from .errors import MoECompileError
+from .stats import RoutingStats, routing_metrics, routing_stats, track_routing
 
-__all__ = ["MoEBlock", "MoEExperts", "MoEConfig", "MoECompileError", "aux_loss", "load", "moeize", "ops", "save"]
+__all__ = ["MoEBlock", "MoEExperts", "MoEConfig", "MoECompileError", "RoutingStats", "aux_loss", "load", "moeize",
+           "ops", "routing_metrics", "routing_stats", "save", "track_routing"]
 __version__ = "0.1.0"

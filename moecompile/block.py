@@ -42,6 +42,8 @@ class MoEBlock(nn.Module):
     forward(hidden_states, top_k=None, capacity_factor=None): both override the config for one call.
     In training mode the block keeps `aux_loss` (load balancing + z-loss, already scaled by their coefficients)
     for the caller to add to its loss (`moecompile.aux_loss(model)` sums every block's).
+    With `track_routing` on (`moecompile.track_routing(model)`), each forward also keeps `routing`: detached
+    device tensors (no host sync) that `moecompile.routing_stats(model)` reads.
     """
 
     def __init__(self, config: MoEConfig):
@@ -53,6 +55,8 @@ class MoEBlock(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.hidden_size)) if config.bias_out == "shared" else None
         self.dropout = nn.Dropout(config.dropout)
         self.aux_loss: torch.Tensor | None = None
+        self.track_routing = False
+        self.routing: dict | None = None
 
     def extra_repr(self) -> str:
         c = self.config
@@ -84,7 +88,22 @@ class MoEBlock(nn.Module):
             out = out + self.bias
         if self.training and x.shape[0] > 0:
             self.aux_loss = self._aux_loss(logits, top_k)
+        if self.track_routing and not torch.compiler.is_exporting():  # export would leave fake tensors here
+            self.routing = self._routing(logits, expert_ids, offsets, top_k)
         return self.dropout(out).reshape(shape)
+
+    def _routing(self, logits, expert_ids, offsets, top_k: int) -> dict:
+        """Kept assignments per expert (from dispatch's cumulative offsets: no bincount), dropped assignments
+        (id E), aux loss and mean router entropy (nats) of this forward: detached, on the input's device."""
+        with torch.no_grad():
+            counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1, dtype=torch.long))
+            if logits.shape[0] > 0:
+                aux = self.aux_loss if self.training else self._aux_loss(logits, top_k)
+                entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
+            else:
+                aux = entropy = logits.new_zeros(())
+            return {"counts": counts, "dropped": (expert_ids == self.config.num_experts).sum(),
+                    "aux_loss": aux.detach().float(), "entropy": entropy.float(), "top_k": top_k}
 
     def _aux_loss(self, logits: torch.Tensor, top_k: int) -> torch.Tensor:
         """Switch/GShard load balancing E * sum_e f_e P_e (f: fraction of top-k choices, P: mean router

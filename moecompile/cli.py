@@ -45,6 +45,15 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--random-init", action="store_true")
     i.add_argument("--json", action="store_true", help="print machine-readable JSON")
     i.add_argument("--no-progress", action="store_true")
+    i.add_argument("--routing", action="store_true",
+                   help="run the checkpoint on a probe batch and show each block's expert load")
+    i.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
+                   help="run the --routing probe and write the expert-load histogram of every block to PNG "
+                        "(default ./<name>-expert-load.png; needs matplotlib: pip install 'moecompile[plot]')")
+    i.add_argument("--probe-tokens", type=int, default=512, help="probe size in tokens (default 512)")
+    i.add_argument("--probe-text", default=None, metavar="FILE",
+                   help="probe with this text, tokenized by the checkpoint's tokenizer (default: random token ids)")
+    i.add_argument("--seed", type=int, default=0, help="seed of the random probe tokens")
     return p
 
 
@@ -100,9 +109,19 @@ def inspect_cmd(a) -> int:
     from .convert import find_dense_ffns
 
     progress = not a.no_progress
+    probe = a.routing or a.plot is not None
+    if a.plot is not None:
+        from .plot import require_matplotlib
+
+        require_matplotlib()  # before loading anything
     if checkpoint.is_checkpoint(a.model):
         model = checkpoint.load(a.model, progress=progress)
         info = {"kind": "moe", "blocks": report.block_rows(model), **report.parameter_counts(model)}
+        if probe:
+            info["routing"] = _probe_routing(model, a)
+    elif probe:
+        raise MoECompileError(f"{a.model} is not a moecompile checkpoint: --routing and --plot measure the expert "
+                              "load of MoE blocks; convert the model first")
     else:
         model = models.load_source(a.model, random_init=a.random_init, progress=progress).model
         found, skipped = find_dense_ffns(model)
@@ -125,7 +144,55 @@ def inspect_cmd(a) -> int:
             print(f"  skipped: {line}")
     print(f"total parameters: {info['total']:,} ({report.human(info['total'])})")
     print(f"active parameters per token: {info['active_per_token']:,} ({report.human(info['active_per_token'])})")
+    if "routing" in info:
+        r = info["routing"]
+        print(f"routing on {r['probe']}:")
+        for path, s in r["blocks"].items():
+            print(f"  {path}: load max {s['load_max']:.2f} / min {s['load_min']:.2f} of an even share, "
+                  f"dropped {s['dropped_frac']:.1%}, router entropy {s['entropy']:.3f}")
+        if r.get("plot"):
+            print(f"expert-load plot written to {r['plot']}")
     return 0
+
+
+def _probe_routing(model, a) -> dict:
+    """Measure each block's expert load on a probe batch (random ids or --probe-text); plot it with --plot."""
+    from pathlib import Path
+
+    from .stats import probe_routing
+
+    ids, what = None, "random"
+    if a.probe_text is not None:
+        from transformers import AutoTokenizer
+
+        from .checkpoint import TOKENIZER_FILES
+
+        if not any((Path(a.model) / f).is_file() for f in TOKENIZER_FILES):
+            raise MoECompileError(f"--probe-text needs a tokenizer in {a.model}, and it has none")
+        try:
+            text = Path(a.probe_text).read_text(encoding="utf-8", errors="replace")
+            tokenizer = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise MoECompileError(f"--probe-text needs a readable text file and a tokenizer in {a.model}: "
+                                  f"{str(e).strip().splitlines()[0]}") from None
+        ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :a.probe_tokens]
+        if ids.numel() == 0:
+            raise MoECompileError(f"--probe-text {a.probe_text} gives no tokens")
+        seq = min(128, ids.shape[1])
+        ids = ids[:, : ids.shape[1] // seq * seq].reshape(-1, seq)
+        what = f"text from {Path(a.probe_text).name}"
+    stats, tokens = probe_routing(model, a.probe_tokens, a.seed, ids)
+    probe = f"{tokens} probe tokens ({what}{', seed %d' % a.seed if ids is None else ''})"
+    out = {"probe": probe, "blocks": {path: {**s.summary(), "counts": s.counts.tolist(), "dropped": int(s.dropped)}
+                                      for path, s in stats.items()}}
+    if a.plot is not None:
+        from .plot import expert_load_figure, save_png
+
+        name = Path(a.model).resolve().name
+        ks = {s.top_k for s in stats.values()}
+        title = f"{name}: expert load per block on {probe}" + (f", top-{ks.pop()}" if len(ks) == 1 else "")
+        out["plot"] = str(save_png(expert_load_figure(stats, title), a.plot or f"{name}-expert-load.png"))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
