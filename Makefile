@@ -22,7 +22,8 @@ demo: install
 	$(VENV)/bin/moecompile inspect $(DEMO_OUT)
 
 test: install
-	$(PY) -m pytest -q -n 2 -m "not gpu" --durations=15
+	# one thread per worker: two workers on two cores, no oversubscription
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 -m "not gpu" --durations=15
 
 clean:
 	rm -rf $(VENV) build
