@@ -5,12 +5,16 @@
     moecompile.save(model, "gpt2-moe16")
     model = moecompile.load("gpt2-moe16")
 """
-from . import ops  # registers the moecompile:: custom ops
+from . import hf, ops  # ops registers the moecompile:: custom ops
+from .backend import compile
 from .block import MoEBlock, MoEExperts, aux_loss
 from .checkpoint import load, save
 from .config import MoEConfig
 from .convert import moeize
 from .errors import MoECompileError
 
-__all__ = ["MoEBlock", "MoEExperts", "MoEConfig", "MoECompileError", "aux_loss", "load", "moeize", "ops", "save"]
+__all__ = ["MoEBlock", "MoEExperts", "MoEConfig", "MoECompileError", "aux_loss", "compile", "load", "moeize", "ops",
+           "save"]
 __version__ = "0.1.0"
+
+hf.register()  # model.set_experts_implementation("moecompile") for every HF MoE model
