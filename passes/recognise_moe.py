@@ -103,8 +103,7 @@ def _routing(router: list[fx.Node], experts: list[fx.Node]) -> dict:
     scoring = "sigmoid" if any(kind(n) == "sigmoid" for n in router) else "softmax" if softmaxes else None
     if scoring is None:
         raise NotRecognised("router computes neither softmax nor sigmoid scores")
-    info = {"logits": logits, "weight": weight, "weights_out": weights[0], "ids_out": ids[0],
-            "top_k": value(ids[0]).shape[-1], "num_experts": value(weight).shape[0], "scoring": scoring,
+    info = {"logits": logits, "weight": weight, "top_k": value(ids[0]).shape[-1], "num_experts": value(weight).shape[0], "scoring": scoring,
             "correction_bias": None, "n_group": 1, "topk_group": 1, "scaling_factor": 1.0}
     # GPT-OSS: softmax over the top-k logits == softmax over all, top-k, renormalised
     info["renormalize"] = any(s in after for s in softmaxes) or any(kind(n) == "div" for n in after)
@@ -126,7 +125,10 @@ def _routing(router: list[fx.Node], experts: list[fx.Node]) -> dict:
 
 def _evaluate_scope(nodes: list[fx.Node]):
     """The function from a scope's single tensor input to its single output (an act_fn module's nodes)."""
-    (inp,), (out,) = _external_inputs(nodes), _escaping(nodes)
+    inputs, outs = _external_inputs(nodes), _escaping(nodes)
+    if len(inputs) != 1 or len(outs) != 1:
+        raise NotRecognised(f"experts' act_fn takes {len(inputs)} inputs and gives {len(outs)} outputs, expected 1")
+    (inp,), (out,) = inputs, outs
 
     def fn(x):
         env = {inp: x}
@@ -169,7 +171,12 @@ def _experts(experts: list[fx.Node], hidden_size: int) -> dict:
             "transpose": transpose, "gated": True, "interleaved": interleaved, "alpha": 1.702, "limit": 7.0}
     act_scope = _act_fn_nodes(experts)
     if act_scope:
-        spec["activation"] = identify_activation(_evaluate_scope(act_scope))
+        try:
+            spec["activation"] = identify_activation(_evaluate_scope(act_scope))
+        except NotRecognised:
+            raise
+        except Exception as e:  # noqa: BLE001 - an act_fn that cannot run on its own is not one we know
+            raise NotRecognised(f"experts' act_fn cannot be evaluated alone ({type(e).__name__})") from e
         if spec["activation"] is None:
             raise NotRecognised("experts' act_fn is none of the known activations")
         return spec

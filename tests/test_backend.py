@@ -36,10 +36,12 @@ def _compiled(model, **options):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_matches_eager(family):
     model, ids = tiny_moe(family), token_ids()
-    with torch.no_grad():
-        expected = _logits(model, ids)
-        got = _logits(_compiled(model, **NO_INDUCTOR), ids)
-    _assert_rel_close(got, expected)
+    with torch.no_grad():  # with the router logits out too (the aux loss): the fused router must keep them
+        expected = model(ids, use_cache=False, output_router_logits=True)
+        got = _compiled(model, **NO_INDUCTOR)(ids, use_cache=False, output_router_logits=True)
+    _assert_rel_close(got.logits, expected.logits)
+    if getattr(expected, "aux_loss", None) is not None:
+        _assert_rel_close(got.aux_loss, expected.aux_loss)
     # fullgraph=True: one graph, so no break inside an MoE block; one MoE op group per MoE layer
     (record,) = backend.records()
     assert record.moe_blocks == MOE_LAYERS[family]
