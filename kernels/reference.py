@@ -22,7 +22,69 @@ def capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) 
     return max(1, math.ceil(abs(capacity_factor) * tokens * top_k / num_experts))
 
 
+def _topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _rank_in_expert(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Position of each assignment in its expert's queue, in the order of flat_ids (no host sync)."""
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(flat_ids)
+    rank[order] = torch.arange(flat_ids.numel(), device=flat_ids.device) - starts[flat_ids[order]]
+    return rank
+
+
+def route(router_logits: torch.Tensor, top_k: int, capacity_factor: float, renormalize: bool):
+    """Softmax top-k routing. Returns (weights [T, k] float32, expert_ids [T, k] int64).
+
+    With a capacity, assignments are admitted slot-major (every token's first choice before any second choice,
+    GShard's priority), in token order inside a slot; the rest are dropped (id E, weight 0).
+    """
+    weights, ids = _topk(router_logits, top_k, renormalize)
+    return _drop_over_capacity(weights, ids, capacity_factor, router_logits.shape[-1])
+
+
+def route_backward(grad_weights, router_logits, expert_ids, top_k: int, renormalize: bool):
+    """Gradient of route's weights w.r.t. the router logits (ids are not differentiable)."""
+    num_experts = router_logits.shape[-1]
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    full_weights, full_ids = _topk(router_logits, top_k, renormalize)
+    g = torch.where(expert_ids < num_experts, grad_weights.float(), 0.0)
+    if renormalize:
+        # weights = softmax over the selected logits
+        g_sel = full_weights * (g - (g * full_weights).sum(-1, keepdim=True))
+        grad = torch.zeros_like(probs).scatter_add_(1, full_ids, g_sel)
+    else:
+        g_probs = torch.zeros_like(probs).scatter_add_(1, full_ids, g)
+        grad = probs * (g_probs - (g_probs * probs).sum(-1, keepdim=True))
+    return grad.to(router_logits.dtype)
+
+
+# ---- route_grouped: DeepSeek-V3's router (sigmoid scores, correction bias, expert groups, scaling); with softmax
+# scores, no bias, one group and scale 1 it is route
+
 SCORINGS = ("softmax", "sigmoid")
+_RENORM_EPS = 1e-20  # DeepSeek-V3's guard; a no-op for softmax weights
+
+
+def _drop_over_capacity(weights, ids, capacity_factor: float, num_experts: int):
+    """Drop the assignments over capacity: admitted slot-major (every token's first choice before any second
+    choice, GShard's priority), in token order inside a slot; the rest get id E and weight 0."""
+    tokens, top_k = ids.shape
+    cap = capacity(capacity_factor, tokens, top_k, num_experts)
+    if cap >= 0:
+        slot_major = ids.t().reshape(-1)
+        # contiguous: a transposed mask would make both outputs transposed, unlike the op's fake (and kernels)
+        keep = (_rank_in_expert(slot_major, num_experts) < cap).reshape(top_k, tokens).t().contiguous()
+        ids = torch.where(keep, ids, num_experts)
+        weights = torch.where(keep, weights, 0.0)
+    return weights, ids
 
 
 def _scores(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:
@@ -49,51 +111,17 @@ def _select(scores, top_k: int, correction_bias, n_group: int, topk_group: int):
     return choice.topk(top_k, dim=-1).indices
 
 
-_RENORM_EPS = 1e-20  # DeepSeek-V3's guard; a no-op for softmax weights
-
-
-def _topk(router_logits, top_k: int, renormalize: bool, scoring: str = "softmax", correction_bias=None,
-          n_group: int = 1, topk_group: int = 1, scaling_factor: float = 1.0):
-    """(weights [T, k] float32, ids [T, k]) before capacity: the selected experts' scores (without the correction
-    bias), optionally renormalised to sum to 1, times scaling_factor."""
+def route_grouped(router_logits: torch.Tensor, top_k: int, capacity_factor: float, renormalize: bool,
+                  scoring: str, correction_bias, n_group: int, topk_group: int, scaling_factor: float):
+    """General top-k routing. Returns (weights [T, k] float32, expert_ids [T, k] int64): the selected experts'
+    scores (without the correction bias), optionally renormalised to sum to 1, times scaling_factor; capacity as
+    in route."""
     scores = _scores(router_logits, scoring)
     ids = _select(scores, top_k, correction_bias, n_group, topk_group)
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + _RENORM_EPS)
-    return weights * scaling_factor, ids
-
-
-def _rank_in_expert(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Position of each assignment in its expert's queue, in the order of flat_ids (no host sync)."""
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.empty_like(flat_ids)
-    rank[order] = torch.arange(flat_ids.numel(), device=flat_ids.device) - starts[flat_ids[order]]
-    return rank
-
-
-def route_grouped(router_logits: torch.Tensor, top_k: int, capacity_factor: float, renormalize: bool,
-                  scoring: str, correction_bias, n_group: int, topk_group: int, scaling_factor: float):
-    """General top-k routing: softmax or sigmoid scores, optional correction bias (selection only), group-limited
-    selection, renormalisation and a scaling factor (DeepSeek-V3's router). Returns (weights [T, k] float32,
-    expert_ids [T, k] int64).
-
-    With a capacity, assignments are admitted slot-major (every token's first choice before any second choice,
-    GShard's priority), in token order inside a slot; the rest are dropped (id E, weight 0).
-    """
-    tokens, num_experts = router_logits.shape
-    weights, ids = _topk(router_logits, top_k, renormalize, scoring, correction_bias, n_group, topk_group,
-                         scaling_factor)
-    cap = capacity(capacity_factor, tokens, top_k, num_experts)
-    if cap >= 0:
-        slot_major = ids.t().reshape(-1)
-        # contiguous: a transposed mask would make both outputs transposed, unlike the op's fake (and kernels)
-        keep = (_rank_in_expert(slot_major, num_experts) < cap).reshape(top_k, tokens).t().contiguous()
-        ids = torch.where(keep, ids, num_experts)
-        weights = torch.where(keep, weights, 0.0)
-    return weights, ids
+    return _drop_over_capacity(weights * scaling_factor, ids, capacity_factor, router_logits.shape[-1])
 
 
 def route_grouped_backward(grad_weights, router_logits, expert_ids, top_k: int, renormalize: bool, scoring: str,
@@ -113,17 +141,6 @@ def route_grouped_backward(grad_weights, router_logits, expert_ids, top_k: int, 
     else:
         grad = grad_scores * scores * (1.0 - scores)
     return grad.to(router_logits.dtype)
-
-
-def route(router_logits: torch.Tensor, top_k: int, capacity_factor: float, renormalize: bool):
-    """Softmax top-k routing (route_grouped with softmax scores, no bias, one group, scale 1)."""
-    return route_grouped(router_logits, top_k, capacity_factor, renormalize, "softmax", None, 1, 1, 1.0)
-
-
-def route_backward(grad_weights, router_logits, expert_ids, top_k: int, renormalize: bool):
-    """Gradient of route's weights w.r.t. the router logits (ids are not differentiable)."""
-    return route_grouped_backward(grad_weights, router_logits, expert_ids, top_k, renormalize, "softmax", None, 1, 1,
-                                  1.0)
 
 
 def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):

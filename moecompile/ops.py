@@ -4,12 +4,15 @@ Each op is one graph node through torch.export, Dynamo and AOT autograd (registe
 runs the kernel the runtime registry picks for the input's device. Backward passes are ops too, so a device can
 supply fused backward kernels. Shapes: T tokens, k = top_k, E experts, N = T * k, H hidden, F expert rows.
 """
+import functools
+import inspect
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from moecompile.runtime import kernel_for
+from moecompile.runtime.registry import reference_kernel
 
 
 def _kernel(op: str, tensor: Tensor):
@@ -155,12 +158,24 @@ def _glu_args(activation: str, interleaved: bool, alpha: float, limit: float) ->
     return (interleaved, alpha, limit) if interleaved or activation == "swiglu_oai" else ()
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_glu_args(kernel) -> bool:
+    return "interleaved" in inspect.signature(kernel).parameters
+
+
+def _experts_kernel(op: str, x: Tensor, glu: tuple):
+    """op's kernel for x's device; the reference kernel when GPT-OSS's arguments are needed and that kernel does
+    not take them."""
+    kernel = _kernel(op, x)
+    return kernel if not glu or _takes_glu_args(kernel) else reference_kernel(op)
+
+
 @torch.library.custom_op("moecompile::experts", mutates_args=())
 def experts(x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor], w_out: Tensor,
             b_out: Optional[Tensor], activation: str, gated: bool, interleaved: bool = False, alpha: float = 1.702,
             limit: float = 7.0) -> Tensor:
-    return _kernel("experts", x)(x, offsets, w_in, b_in, w_out, b_out, activation, gated,
-                                 *_glu_args(activation, interleaved, alpha, limit))
+    glu = _glu_args(activation, interleaved, alpha, limit)
+    return _experts_kernel("experts", x, glu)(x, offsets, w_in, b_in, w_out, b_out, activation, gated, *glu)
 
 
 @experts.register_fake
@@ -174,8 +189,9 @@ def experts_backward(grad_y: Tensor, x: Tensor, offsets: Tensor, w_in: Tensor, b
                      alpha: float = 1.702, limit: float = 7.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out); a missing bias's grad is an empty tensor
     (custom ops cannot return None)."""
-    grads = _kernel("experts_backward", x)(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out,
-                                           *_glu_args(activation, interleaved, alpha, limit))
+    glu = _glu_args(activation, interleaved, alpha, limit)
+    grads = _experts_kernel("experts_backward", x, glu)(grad_y, x, offsets, w_in, b_in, w_out, activation, gated,
+                                                        has_b_out, *glu)
     return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 

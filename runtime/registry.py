@@ -35,6 +35,11 @@ def kernel_for(op: str, device: torch.device | str) -> Callable:
         raise KeyError(f"no kernel registered for moecompile op {op!r}") from None
 
 
+def reference_kernel(op: str) -> Callable:
+    """op's reference kernel, whatever the device and MOECOMPILE_KERNELS say."""
+    return _KERNELS[(op, REFERENCE)]
+
+
 def registered_kernels() -> dict[tuple[str, str], Callable]:
     return dict(_KERNELS)
 

@@ -502,5 +502,7 @@ def test_eight_argument_experts_kernels_keep_serving_standard_calls(isolated_reg
     d = setup_moe(61, gated=True)
     OPS.experts(d["rows"], d["offsets"], d["w_in"], d["b_in"], d["w_out"], d["b_out"], "silu", True)
     assert calls == ["silu"]
-    with pytest.raises(TypeError):  # GPT-OSS's experts need the three trailing arguments
-        OPS.experts(d["rows"], d["offsets"], d["w_in"], d["b_in"], d["w_out"], d["b_out"], "swiglu_oai", True, True)
+    # GPT-OSS's experts need the three trailing arguments: that kernel cannot take them, the reference runs
+    args = (d["rows"], d["offsets"], d["w_in"], d["b_in"], d["w_out"], d["b_out"], "swiglu_oai", True, True, 1.3, 2.0)
+    torch.testing.assert_close(OPS.experts(*args), R.experts(*args), rtol=0, atol=0)
+    assert calls == ["silu"]
