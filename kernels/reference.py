@@ -53,16 +53,8 @@ def route(router_logits: torch.Tensor, top_k: int, capacity_factor: float, renor
     With a capacity, assignments are admitted slot-major (every token's first choice before any second choice,
     GShard's priority), in token order inside a slot; the rest are dropped (id E, weight 0).
     """
-    tokens, num_experts = router_logits.shape
     weights, ids = _topk(router_logits, top_k, renormalize)
-    cap = capacity(capacity_factor, tokens, top_k, num_experts)
-    if cap >= 0:
-        slot_major = ids.t().reshape(-1)
-        # contiguous: a transposed mask would make both outputs transposed, unlike the op's fake (and kernels)
-        keep = (_rank_in_expert(slot_major, num_experts) < cap).reshape(top_k, tokens).t().contiguous()
-        ids = torch.where(keep, ids, num_experts)
-        weights = torch.where(keep, weights, 0.0)
-    return weights, ids
+    return _drop_over_capacity(weights, ids, capacity_factor, router_logits.shape[-1])
 
 
 def route_backward(grad_weights, router_logits, expert_ids, top_k: int, renormalize: bool):
@@ -78,6 +70,83 @@ def route_backward(grad_weights, router_logits, expert_ids, top_k: int, renormal
     else:
         g_probs = torch.zeros_like(probs).scatter_add_(1, full_ids, g)
         grad = probs * (g_probs - (g_probs * probs).sum(-1, keepdim=True))
+    return grad.to(router_logits.dtype)
+
+
+# ---- route_grouped: DeepSeek-V3's router (sigmoid scores, correction bias, expert groups, scaling); with softmax
+# scores, no bias, one group and scale 1 it is route
+
+SCORINGS = ("softmax", "sigmoid")
+_RENORM_EPS = 1e-20  # DeepSeek-V3's guard; a no-op for softmax weights
+
+
+def _drop_over_capacity(weights, ids, capacity_factor: float, num_experts: int):
+    """Drop the assignments over capacity: admitted slot-major (every token's first choice before any second
+    choice, GShard's priority), in token order inside a slot; the rest get id E and weight 0."""
+    tokens, top_k = ids.shape
+    cap = capacity(capacity_factor, tokens, top_k, num_experts)
+    if cap >= 0:
+        slot_major = ids.t().reshape(-1)
+        # contiguous: a transposed mask would make both outputs transposed, unlike the op's fake (and kernels)
+        keep = (_rank_in_expert(slot_major, num_experts) < cap).reshape(top_k, tokens).t().contiguous()
+        ids = torch.where(keep, ids, num_experts)
+        weights = torch.where(keep, weights, 0.0)
+    return weights, ids
+
+
+def _scores(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    if scoring == "softmax":
+        return torch.softmax(router_logits.float(), dim=-1)
+    if scoring == "sigmoid":
+        return torch.sigmoid(router_logits.float())
+    raise ValueError(f"unknown scoring {scoring!r}; expected one of {', '.join(SCORINGS)}")
+
+
+def _select(scores, top_k: int, correction_bias, n_group: int, topk_group: int):
+    """Expert ids [T, k]: top-k of score + correction bias, among the topk_group best of n_group expert groups
+    (a group's score is the sum of its two best experts, DeepSeek-V3's rule)."""
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if n_group > 1:
+        tokens, num_experts = choice.shape
+        if num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"bad expert groups: {num_experts} experts, n_group={n_group}, topk_group={topk_group}")
+        size = num_experts // n_group
+        group_scores = choice.view(tokens, n_group, size).topk(min(2, size), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(size, dim=1), float("-inf"))
+    return choice.topk(top_k, dim=-1).indices
+
+
+def route_grouped(router_logits: torch.Tensor, top_k: int, capacity_factor: float, renormalize: bool,
+                  scoring: str, correction_bias, n_group: int, topk_group: int, scaling_factor: float):
+    """General top-k routing. Returns (weights [T, k] float32, expert_ids [T, k] int64): the selected experts'
+    scores (without the correction bias), optionally renormalised to sum to 1, times scaling_factor; capacity as
+    in route."""
+    scores = _scores(router_logits, scoring)
+    ids = _select(scores, top_k, correction_bias, n_group, topk_group)
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + _RENORM_EPS)
+    return _drop_over_capacity(weights * scaling_factor, ids, capacity_factor, router_logits.shape[-1])
+
+
+def route_grouped_backward(grad_weights, router_logits, expert_ids, top_k: int, renormalize: bool, scoring: str,
+                           correction_bias, n_group: int, topk_group: int, scaling_factor: float):
+    """Gradient of route_grouped's weights w.r.t. the router logits (ids and the correction bias get none)."""
+    num_experts = router_logits.shape[-1]
+    scores = _scores(router_logits, scoring)
+    full_ids = _select(scores, top_k, correction_bias, n_group, topk_group)  # the selection before capacity drops
+    g = torch.where(expert_ids < num_experts, grad_weights.float(), 0.0) * scaling_factor
+    if renormalize:  # w_j = s_j / (sum s + eps)
+        selected = scores.gather(1, full_ids)
+        denom = selected.sum(-1, keepdim=True) + _RENORM_EPS
+        g = (g - (g * selected).sum(-1, keepdim=True) / denom) / denom
+    grad_scores = torch.zeros_like(scores).scatter_add_(1, full_ids, g)
+    if scoring == "softmax":
+        grad = scores * (grad_scores - (grad_scores * scores).sum(-1, keepdim=True))
+    else:
+        grad = grad_scores * scores * (1.0 - scores)
     return grad.to(router_logits.dtype)
 
 
@@ -103,8 +172,13 @@ def _groups(offsets: torch.Tensor):
         start = end
 
 
-def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
-    """Grouped FFN: rows of group e go through expert e: act(x W_in[e]^T + b_in[e]) W_out[e]^T + b_out[e]."""
+def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool, interleaved: bool = False,
+            alpha: float = 1.702, limit: float = 7.0):
+    """Grouped FFN: rows of group e go through expert e: act(x W_in[e]^T + b_in[e]) W_out[e]^T + b_out[e].
+
+    Gated experts hold gate and up rows in w_in as [gate | up] halves, or interleaved row by row (GPT-OSS);
+    alpha and limit parameterise the "swiglu_oai" activation. Weights may be strided views (a transposed HF
+    parameter), never copied here."""
     y = x.new_zeros(x.shape[0], w_out.shape[1])
     for e, start, end in _groups(offsets):
         if end == start:
@@ -112,13 +186,15 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
         h = x[start:end] @ w_in[e].t()
         if b_in is not None:
             h = h + b_in[e]
-        out = expert_activation(activation, gated, h) @ w_out[e].t()
+        out = expert_activation(activation, gated, h, interleaved, alpha, limit) @ w_out[e].t()
         y[start:end] = out + b_out[e] if b_out is not None else out
     return y
 
 
-def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gated: bool, has_b_out: bool):
+def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gated: bool, has_b_out: bool,
+                     interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0):
     """Returns (grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out); bias grads are None without a bias."""
+    glu = (interleaved, alpha, limit)
     grad_x = torch.zeros_like(x)
     grad_w_in, grad_w_out = torch.zeros_like(w_in), torch.zeros_like(w_out)
     grad_b_in = torch.zeros_like(b_in) if b_in is not None else None
@@ -130,11 +206,11 @@ def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gat
         h = xe @ w_in[e].t()
         if b_in is not None:
             h = h + b_in[e]
-        a = expert_activation(activation, gated, h)
+        a = expert_activation(activation, gated, h, *glu)
         grad_w_out[e] = ge.t() @ a
         if grad_b_out is not None:
             grad_b_out[e] = ge.sum(0)
-        grad_h = expert_activation_backward(activation, gated, h, ge @ w_out[e])
+        grad_h = expert_activation_backward(activation, gated, h, ge @ w_out[e], *glu)
         grad_w_in[e] = grad_h.t() @ xe
         if grad_b_in is not None:
             grad_b_in[e] = grad_h.sum(0)
@@ -171,3 +247,40 @@ def combine_backward(grad_out, expert_out, order, weights):
     grad_rows = grad_out.to(acc).unsqueeze(1) * weights.to(acc).unsqueeze(-1)
     grad_rows = grad_rows.reshape(tokens * top_k, grad_out.shape[-1])
     return grad_rows.index_select(0, order).to(expert_out.dtype), grad_weights.to(weights.dtype)
+
+
+# ---- route_dispatch: router linear + route_grouped + dispatch as one op (what fuse_route_dispatch emits)
+
+def router_logits(hidden, router_weight, router_bias, logits_fp32: bool):
+    """hidden @ router_weight^T (+ bias), in float32 when logits_fp32 (DeepSeek-V3, MoEBlock) or else in the
+    operands' dtype (Mixtral, Qwen: the router runs in the model dtype and only the softmax in float32)."""
+    if logits_fp32:
+        bias = router_bias.float() if router_bias is not None else None
+        return torch.nn.functional.linear(hidden.float(), router_weight.float(), bias)
+    return torch.nn.functional.linear(hidden, router_weight, router_bias)
+
+
+def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_factor: float, renormalize: bool,
+                   scoring: str, correction_bias, n_group: int, topk_group: int, scaling_factor: float,
+                   logits_fp32: bool):
+    """Returns (weights [T, k] float32, expert_ids [T, k], sorted rows [T * k, H], order [T * k], offsets [E])."""
+    logits = router_logits(hidden, router_weight, router_bias, logits_fp32)
+    weights, ids = route_grouped(logits, top_k, capacity_factor, renormalize, scoring, correction_bias, n_group,
+                                 topk_group, scaling_factor)
+    return (weights, ids, *dispatch(hidden, ids, router_weight.shape[0]))
+
+
+def route_dispatch_backward(grad_weights, grad_rows, hidden, router_weight, router_bias, expert_ids, order,
+                            top_k: int, renormalize: bool, scoring: str, correction_bias, n_group: int,
+                            topk_group: int, scaling_factor: float, logits_fp32: bool):
+    """Returns (grad_hidden, grad_router_weight, grad_router_bias or None): the rows' gradient un-permuted plus
+    the routing weights' gradient through the router linear (logits recomputed, not stored)."""
+    logits = router_logits(hidden, router_weight, router_bias, logits_fp32)
+    grad_logits = route_grouped_backward(grad_weights, logits, expert_ids, top_k, renormalize, scoring,
+                                         correction_bias, n_group, topk_group, scaling_factor)
+    x = hidden.float() if logits_fp32 else hidden
+    w = router_weight.float() if logits_fp32 else router_weight
+    grad_hidden = dispatch_backward(grad_rows, order, hidden.shape[0], top_k) + (grad_logits @ w).to(hidden.dtype)
+    grad_weight = (grad_logits.t() @ x).to(router_weight.dtype)
+    grad_bias = grad_logits.sum(0).to(router_bias.dtype) if router_bias is not None else None
+    return grad_hidden, grad_weight, grad_bias

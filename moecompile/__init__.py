@@ -5,7 +5,8 @@
     moecompile.save(model, "gpt2-moe16")
     model = moecompile.load("gpt2-moe16")
 """
-from . import ops  # registers the moecompile:: custom ops
+from . import hf, ops  # ops registers the moecompile:: custom ops
+from .backend import compile
 from .block import MoEBlock, MoEExperts, aux_loss
 from .checkpoint import load, save
 from .config import MoEConfig
@@ -13,6 +14,8 @@ from .convert import moeize
 from .errors import MoECompileError
 from .stats import RoutingStats, routing_metrics, routing_stats, track_routing
 
-__all__ = ["MoEBlock", "MoEExperts", "MoEConfig", "MoECompileError", "RoutingStats", "aux_loss", "load", "moeize",
-           "ops", "routing_metrics", "routing_stats", "save", "track_routing"]
+__all__ = ["MoEBlock", "MoEExperts", "MoEConfig", "MoECompileError", "RoutingStats", "aux_loss", "compile", "load",
+           "moeize", "ops", "routing_metrics", "routing_stats", "save", "track_routing"]
 __version__ = "0.1.0"
+
+hf.register()  # model.set_experts_implementation("moecompile") for every HF MoE model

@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("model", help="a moecompile checkpoint folder, or anything `convert` takes")
     i.add_argument("--random-init", action="store_true")
     i.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    i.add_argument("--graph", action="store_true",
+                   help="run the torch.compile backend on a probe input and print the graph before and after each "
+                        "pass, with each pass's report (MOECOMPILE_PRINT_GRAPH=1 does the same inside any compile)")
     i.add_argument("--no-progress", action="store_true")
     i.add_argument("--routing", action="store_true",
                    help="run the checkpoint on a probe batch and show each block's expert load")
@@ -104,11 +107,37 @@ def convert(a) -> int:
     return 0
 
 
+def _graph_reports(model, show_graphs: bool) -> list[dict]:
+    """Compile model with the moecompile backend (no inductor) on a probe input; the reports of each graph."""
+    from .backend import clear_records, compile as moe_compile, records
+    from .frontend import example_inputs
+
+    args, kwargs = example_inputs(model)
+    clear_records()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        moe_compile(model.eval(), inductor=False, print_graph=show_graphs)(*args, **kwargs)
+    return [{"graph": i, "moe_blocks": r.moe_blocks, "check": r.checked, "passes": dict(r.reports)}
+            for i, r in enumerate(records())]
+
+
 def inspect_cmd(a) -> int:
     from . import checkpoint, models, report
     from .convert import find_dense_ffns
 
     progress = not a.no_progress
+    if a.graph:
+        model = (checkpoint.load(a.model, progress=progress) if checkpoint.is_checkpoint(a.model)
+                 else models.load_source(a.model, random_init=a.random_init, progress=progress).model)
+        graphs = _graph_reports(model, show_graphs=not a.json)
+        if a.json:
+            print(json.dumps({"graphs": graphs}, indent=2))
+            return 0
+        for g in graphs:
+            print(f"graph {g['graph']}: {g['moe_blocks']} MoE blocks recognised (graph check: {g['check']})")
+            for name, rep in g["passes"].items():
+                print(f"  {name}: {json.dumps(rep)}")
+        return 0
     probe = a.routing or a.plot is not None
     if a.plot is not None:
         from .plot import require_matplotlib

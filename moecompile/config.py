@@ -11,6 +11,19 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 ACTIVATION_ALIASES = {"gelu_new": "gelu_tanh", "tanh": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "swish": "silu"}
 
 
+def identify_activation(fn) -> str | None:
+    """The known activation that `fn` (a module, a function, a graph fragment) computes, found by evaluating it on
+    a fixed float32 probe; None if it is none of them."""
+    import torch
+
+    x = torch.linspace(-6.0, 6.0, 121)
+    got = fn(x)
+    for name in ACTIVATIONS:
+        if torch.allclose(got.float(), activation_fn(name, x), rtol=1e-4, atol=1e-5):
+            return name
+    return None
+
+
 def canonical_activation(name: str) -> str:
     name = ACTIVATION_ALIASES.get(name, name)
     if name not in ACTIVATIONS:

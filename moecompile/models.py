@@ -37,6 +37,34 @@ def _llama(**kw):
     return LlamaConfig(**kw), "LlamaForCausalLM"
 
 
+def _hf(config: str, arch: str, **kw):
+    import transformers
+    return getattr(transformers, config)(**kw), arch
+
+
+# tiny HF MoE models, one per family the torch.compile backend recognises (tests, `inspect --graph`, bench --tiny)
+_TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
+             intermediate_size=48, max_position_embeddings=128)
+TINY_MOE = {
+    "tiny-mixtral": lambda: _hf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2,
+                                **_TINY),
+    "tiny-qwen2-moe": lambda: _hf("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=24, shared_expert_intermediate_size=40, **_TINY),
+    "tiny-qwen3-moe": lambda: _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=6, num_experts_per_tok=2,
+                                  moe_intermediate_size=24, norm_topk_prob=True, head_dim=16, **_TINY),
+    "tiny-olmoe": lambda: _hf("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2, eos_token_id=1,
+                              **_TINY),
+    # layer 0 dense (first_k_dense_replace), layer 1 MoE with 8 experts in 4 groups and a shared expert
+    "tiny-deepseek-v3": lambda: _hf("DeepseekV3Config", "DeepseekV3ForCausalLM", n_routed_experts=8,
+                                    num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=24,
+                                    first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                                    q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                    v_head_dim=8, **{**_TINY, "num_key_value_heads": 2}),
+    "tiny-gpt-oss": lambda: _hf("GptOssConfig", "GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2,
+                                head_dim=16, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                                **_TINY),
+}
+
 # well-known configs that --random-init can build without any file (sizes from the published configs)
 KNOWN_CONFIGS = {
     "gpt2": lambda: _gpt2(),
@@ -52,6 +80,7 @@ KNOWN_CONFIGS = {
                                vocab_size=1000),
     "tiny-llama": lambda: _llama(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                  intermediate_size=256, vocab_size=1000),
+    **TINY_MOE,
 }
 
 

@@ -4,12 +4,15 @@ Each op is one graph node through torch.export, Dynamo and AOT autograd (registe
 runs the kernel the runtime registry picks for the input's device. Backward passes are ops too, so a device can
 supply fused backward kernels. Shapes: T tokens, k = top_k, E experts, N = T * k, H hidden, F expert rows.
 """
+import functools
+import inspect
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from moecompile.runtime import kernel_for
+from moecompile.runtime.registry import reference_kernel
 
 
 def _kernel(op: str, tensor: Tensor):
@@ -56,6 +59,57 @@ def _route_backward(ctx, grad_weights, grad_ids):
 route.register_autograd(_route_backward, setup_context=_route_setup)
 
 
+# ---- route_grouped: route generalised to DeepSeek-V3's router: softmax or sigmoid scores, a correction bias used
+# for selection only, group-limited top-k (the topk_group best of n_group groups), a scaling factor
+
+@torch.library.custom_op("moecompile::route_grouped", mutates_args=())
+def route_grouped(router_logits: Tensor, top_k: int, capacity_factor: float, renormalize: bool,
+                  scoring: str = "softmax", correction_bias: Optional[Tensor] = None, n_group: int = 1,
+                  topk_group: int = 1, scaling_factor: float = 1.0) -> tuple[Tensor, Tensor]:
+    return _kernel("route_grouped", router_logits)(router_logits, top_k, capacity_factor, renormalize, scoring,
+                                                   correction_bias, n_group, topk_group, scaling_factor)
+
+
+@route_grouped.register_fake
+def _(router_logits, top_k, capacity_factor, renormalize, scoring="softmax", correction_bias=None, n_group=1,
+      topk_group=1, scaling_factor=1.0):
+    tokens = router_logits.shape[0]
+    return (router_logits.new_empty(tokens, top_k, dtype=torch.float32),
+            router_logits.new_empty(tokens, top_k, dtype=torch.int64))
+
+
+@torch.library.custom_op("moecompile::route_grouped_backward", mutates_args=())
+def route_grouped_backward(grad_weights: Tensor, router_logits: Tensor, expert_ids: Tensor, top_k: int,
+                           renormalize: bool, scoring: str, correction_bias: Optional[Tensor], n_group: int,
+                           topk_group: int, scaling_factor: float) -> Tensor:
+    return _kernel("route_grouped_backward", router_logits)(grad_weights, router_logits, expert_ids, top_k,
+                                                            renormalize, scoring, correction_bias, n_group,
+                                                            topk_group, scaling_factor)
+
+
+@route_grouped_backward.register_fake
+def _(grad_weights, router_logits, expert_ids, top_k, renormalize, scoring, correction_bias, n_group, topk_group,
+      scaling_factor):
+    return torch.empty_like(router_logits)
+
+
+def _route_grouped_setup(ctx, inputs, output):
+    router_logits, top_k, _, *routing = inputs
+    ctx.save_for_backward(router_logits, output[1], routing[2])
+    ctx.top_k, ctx.routing = top_k, routing[:2] + [None] + routing[3:]  # the bias tensor goes through saved_tensors
+
+
+def _route_grouped_backward(ctx, grad_weights, grad_ids):
+    router_logits, expert_ids, correction_bias = ctx.saved_tensors
+    renormalize, scoring, _, n_group, topk_group, scaling_factor = ctx.routing
+    grad = route_grouped_backward(grad_weights.contiguous(), router_logits, expert_ids, ctx.top_k, renormalize,
+                                  scoring, correction_bias, n_group, topk_group, scaling_factor)
+    return grad, None, None, None, None, None, None, None, None
+
+
+route_grouped.register_autograd(_route_grouped_backward, setup_context=_route_grouped_setup)
+
+
 # ---- dispatch: tokens [T, H] -> rows in expert order [N, H], order [N] int64, offsets [E] int32
 
 @torch.library.custom_op("moecompile::dispatch", mutates_args=())
@@ -95,46 +149,71 @@ dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
 
 
 # ---- experts: grouped FFN over rows in expert order, weights w_in [E, F, H], w_out [E, H, I]
+# Gated w_in rows are [gate | up] halves, or interleaved row by row when `interleaved` (GPT-OSS); alpha and limit
+# only parameterise activation "swiglu_oai" (GPT-OSS's clamped SwiGLU).
+
+def _glu_args(activation: str, interleaved: bool, alpha: float, limit: float) -> tuple:
+    """The trailing kernel arguments, passed only when used, so kernels written for the original eight-argument
+    contract keep serving every model that needs nothing more."""
+    return (interleaved, alpha, limit) if interleaved or activation == "swiglu_oai" else ()
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_glu_args(kernel) -> bool:
+    return "interleaved" in inspect.signature(kernel).parameters
+
+
+def _experts_kernel(op: str, x: Tensor, glu: tuple):
+    """op's kernel for x's device; the reference kernel when GPT-OSS's arguments are needed and that kernel does
+    not take them."""
+    kernel = _kernel(op, x)
+    return kernel if not glu or _takes_glu_args(kernel) else reference_kernel(op)
+
 
 @torch.library.custom_op("moecompile::experts", mutates_args=())
 def experts(x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor], w_out: Tensor,
-            b_out: Optional[Tensor], activation: str, gated: bool) -> Tensor:
-    return _kernel("experts", x)(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
+            b_out: Optional[Tensor], activation: str, gated: bool, interleaved: bool = False, alpha: float = 1.702,
+            limit: float = 7.0) -> Tensor:
+    glu = _glu_args(activation, interleaved, alpha, limit)
+    return _experts_kernel("experts", x, glu)(x, offsets, w_in, b_in, w_out, b_out, activation, gated, *glu)
 
 
 @experts.register_fake
-def _(x, offsets, w_in, b_in, w_out, b_out, activation, gated):
+def _(x, offsets, w_in, b_in, w_out, b_out, activation, gated, interleaved=False, alpha=1.702, limit=7.0):
     return x.new_empty(x.shape[0], w_out.shape[1])
 
 
 @torch.library.custom_op("moecompile::experts_backward", mutates_args=())
 def experts_backward(grad_y: Tensor, x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor],
-                     w_out: Tensor, activation: str, gated: bool,
-                     has_b_out: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     w_out: Tensor, activation: str, gated: bool, has_b_out: bool, interleaved: bool = False,
+                     alpha: float = 1.702, limit: float = 7.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out); a missing bias's grad is an empty tensor
     (custom ops cannot return None)."""
-    grads = _kernel("experts_backward", x)(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out)
+    glu = _glu_args(activation, interleaved, alpha, limit)
+    grads = _experts_kernel("experts_backward", x, glu)(grad_y, x, offsets, w_in, b_in, w_out, activation, gated,
+                                                        has_b_out, *glu)
     return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 
 @experts_backward.register_fake
-def _(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out):
+def _(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, interleaved=False, alpha=1.702,
+      limit=7.0):
     return (torch.empty_like(x), torch.empty_like(w_in), x.new_empty(0) if b_in is None else torch.empty_like(b_in),
             torch.empty_like(w_out), w_out.new_empty(w_out.shape[0], w_out.shape[1]) if has_b_out else x.new_empty(0))
 
 
 def _experts_setup(ctx, inputs, output):
-    x, offsets, w_in, b_in, w_out, b_out, activation, gated = inputs
+    x, offsets, w_in, b_in, w_out, b_out, activation, gated, *glu = inputs
     ctx.save_for_backward(x, offsets, w_in, b_in, w_out)
-    ctx.activation, ctx.gated, ctx.has_b_out = activation, gated, b_out is not None
+    ctx.activation, ctx.gated, ctx.has_b_out, ctx.glu = activation, gated, b_out is not None, glu
 
 
 def _experts_backward(ctx, grad_y):
     x, offsets, w_in, b_in, w_out = ctx.saved_tensors
     gx, gw_in, gb_in, gw_out, gb_out = experts_backward(grad_y.contiguous(), x, offsets, w_in, b_in, w_out,
-                                                        ctx.activation, ctx.gated, ctx.has_b_out)
+                                                        ctx.activation, ctx.gated, ctx.has_b_out, *ctx.glu)
     return (gx, None, gw_in, gb_in if b_in is not None else None, gw_out, gb_out if ctx.has_b_out else None,
-            None, None)
+            None, None, None, None, None)
 
 
 experts.register_autograd(_experts_backward, setup_context=_experts_setup)
@@ -175,4 +254,68 @@ def _combine_backward(ctx, grad_out):
 
 combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
+
+# ---- route_dispatch: router linear -> route_grouped -> dispatch in one op (emitted by fuse_route_dispatch)
+
+@torch.library.custom_op("moecompile::route_dispatch", mutates_args=())
+def route_dispatch(hidden: Tensor, router_weight: Tensor, router_bias: Optional[Tensor], top_k: int,
+                   capacity_factor: float, renormalize: bool, scoring: str = "softmax",
+                   correction_bias: Optional[Tensor] = None, n_group: int = 1, topk_group: int = 1,
+                   scaling_factor: float = 1.0, logits_fp32: bool = True
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """hidden [T, H], router_weight [E, H] -> (weights [T, k] float32, expert_ids [T, k], rows [T * k, H],
+    order [T * k], offsets [E]): the outputs of route_grouped and dispatch, router logits never leave the op."""
+    return _kernel("route_dispatch", hidden)(hidden, router_weight, router_bias, top_k, capacity_factor, renormalize,
+                                             scoring, correction_bias, n_group, topk_group, scaling_factor,
+                                             logits_fp32)
+
+
+@route_dispatch.register_fake
+def _(hidden, router_weight, router_bias, top_k, capacity_factor, renormalize, scoring="softmax",
+      correction_bias=None, n_group=1, topk_group=1, scaling_factor=1.0, logits_fp32=True):
+    tokens, rows = hidden.shape[0], hidden.shape[0] * top_k
+    return (hidden.new_empty(tokens, top_k, dtype=torch.float32), hidden.new_empty(tokens, top_k, dtype=torch.int64),
+            hidden.new_empty(rows, hidden.shape[-1]), hidden.new_empty(rows, dtype=torch.int64),
+            hidden.new_empty(router_weight.shape[0], dtype=torch.int32))
+
+
+@torch.library.custom_op("moecompile::route_dispatch_backward", mutates_args=())
+def route_dispatch_backward(grad_weights: Tensor, grad_rows: Tensor, hidden: Tensor, router_weight: Tensor,
+                            router_bias: Optional[Tensor], expert_ids: Tensor, order: Tensor, top_k: int,
+                            renormalize: bool, scoring: str, correction_bias: Optional[Tensor], n_group: int,
+                            topk_group: int, scaling_factor: float, logits_fp32: bool
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (grad_hidden, grad_router_weight, grad_router_bias); without a router bias the last is empty."""
+    grads = _kernel("route_dispatch_backward", hidden)(grad_weights, grad_rows, hidden, router_weight, router_bias,
+                                                       expert_ids, order, top_k, renormalize, scoring,
+                                                       correction_bias, n_group, topk_group, scaling_factor,
+                                                       logits_fp32)
+    return tuple(hidden.new_empty(0) if g is None else g for g in grads)
+
+
+@route_dispatch_backward.register_fake
+def _(grad_weights, grad_rows, hidden, router_weight, router_bias, expert_ids, order, top_k, renormalize, scoring,
+      correction_bias, n_group, topk_group, scaling_factor, logits_fp32):
+    return (torch.empty_like(hidden), torch.empty_like(router_weight),
+            hidden.new_empty(0) if router_bias is None else torch.empty_like(router_bias))
+
+
+def _route_dispatch_setup(ctx, inputs, output):
+    hidden, router_weight, router_bias, top_k, _, *routing = inputs
+    ctx.save_for_backward(hidden, router_weight, router_bias, routing[2], output[1], output[3])
+    ctx.top_k, ctx.routing = top_k, routing[:2] + [None] + routing[3:]
+
+
+def _route_dispatch_backward(ctx, grad_weights, grad_ids, grad_rows, grad_order, grad_offsets):
+    hidden, router_weight, router_bias, correction_bias, expert_ids, order = ctx.saved_tensors
+    renormalize, scoring, _, n_group, topk_group, scaling_factor, logits_fp32 = ctx.routing
+    g_hidden, g_weight, g_bias = route_dispatch_backward(
+        grad_weights.contiguous(), grad_rows.contiguous(), hidden, router_weight, router_bias, expert_ids, order,
+        ctx.top_k, renormalize, scoring, correction_bias, n_group, topk_group, scaling_factor, logits_fp32)
+    return (g_hidden, g_weight, g_bias if router_bias is not None else None) + (None,) * 9
+
+
+route_dispatch.register_autograd(_route_dispatch_backward, setup_context=_route_dispatch_setup)
+
 MOE_OPS = (route, dispatch, experts, combine)
+FUSED_OPS = (route_grouped, route_dispatch)

@@ -1,40 +1,112 @@
-"""The pass pipeline: one ordered list of passes over a captured GraphModule.
+"""The pass pipelines: ordered lists of passes over a captured GraphModule, one list per entry point.
 
 Each pass is a plain function `pass_(gm, ctx) -> report` that rewrites gm in place and returns a small dict
-saying what it matched; the graph is linted and recompiled after every pass. Set MOECOMPILE_PRINT_GRAPH=1 to
-print the graph before the first pass and after each one.
+saying what it matched. After every pass the graph is checked: linted, recompiled and, when its placeholders carry
+example values (Dynamo and export graphs do), fake-tensor propagated, with the output shapes and dtypes required
+to stay what they were. Set MOECOMPILE_PRINT_GRAPH=1 (or the option print_graph) to print the graph before the
+first pass and after each one.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from .find_ffn import find_ffn
+from .fuse_route_dispatch import fuse_route_dispatch
 from .moeize import moeize
+from .nodes import value
+from .recognise_moe import recognise_moe
+from .set_capacity import set_capacity
 
-# dense -> MoE conversion, in order. Later stages (recognise_moe, fuse_route_dispatch, insert_fp8,
-# insert_all_to_all) join this list as they land.
-PIPELINE = [find_ffn, moeize]
+PIPELINES = {
+    # dense -> MoE on graphs captured by torch.export (moecompile.moeize's graph view)
+    "convert": [find_ffn, moeize],
+    # Dynamo graphs in the torch.compile backend: existing MoE blocks -> moecompile ops, then their optimisation.
+    # insert_fp8 and insert_all_to_all join here as they land.
+    "compile": [recognise_moe, set_capacity, fuse_route_dispatch],
+}
+PIPELINE = PIPELINES["convert"]
+
+# passes that an option turns on (default None: off) or off (default True: on): pass -> (option, default)
+GATES = {set_capacity: ("capacity_factor", None), fuse_route_dispatch: ("fuse", True)}
+
+
+class GraphCheckError(RuntimeError):
+    """A pass left a graph that does not type-check or changed what the graph returns (a moecompile bug)."""
 
 
 @dataclass
 class PassContext:
     options: dict = field(default_factory=dict)
     ffns: list = field(default_factory=list)  # set by find_ffn
+    moe_blocks: int = 0  # set by recognise_moe
     reports: list[tuple[str, dict]] = field(default_factory=list)
+    checked: str = "lint"  # "fake" when every pass was also fake-tensor propagated
 
 
-def run_pipeline(gm: fx.GraphModule, options: dict | None = None, passes=None) -> tuple[fx.GraphModule, PassContext]:
+def output_signature(gm: fx.GraphModule) -> list | None:
+    """Shapes and dtypes of gm's outputs, by fake-tensor propagation from the placeholders' example values; None
+    when the graph carries none (then only lint checks it)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    inputs = [value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    modes = {v.fake_mode for v in inputs if isinstance(v, FakeTensor)}
+    if len(modes) != 1 or any(v is None for v in inputs):
+        return None
+    (mode,) = modes  # the mode of the graph's own example values (the backend's tracing context has another)
+
+    out = FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    return [(str(tuple(v.shape)), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
+            for v in pytree.tree_leaves(out)]
+
+
+def _check(gm: fx.GraphModule, name: str, expected: list | None) -> None:
+    gm.graph.lint()
+    gm.recompile()
+    if expected is None:
+        return
+    try:
+        got = output_signature(gm)
+    except Exception as e:  # noqa: BLE001 - any failure to propagate is the pass's fault
+        raise GraphCheckError(f"graph check after {name}: {type(e).__name__}: {e}") from e
+    if got != expected:
+        raise GraphCheckError(f"graph check after {name}: outputs changed from {expected} to {got}")
+
+
+def _disabled(p, options: dict) -> str | None:
+    """Why an option keeps pass p from running, or None."""
+    if p not in GATES:
+        return None
+    option, default = GATES[p]
+    chosen = options.get(option, default)
+    return f"off (option {option}={chosen!r})" if chosen is None or chosen is False else None
+
+
+def run_pipeline(gm: fx.GraphModule, options: dict | None = None, passes=None,
+                 pipeline: str = "convert") -> tuple[fx.GraphModule, PassContext]:
     ctx = PassContext(options=dict(options or {}))
-    verbose = os.environ.get("MOECOMPILE_PRINT_GRAPH", "") not in ("", "0")
+    verbose = os.environ.get("MOECOMPILE_PRINT_GRAPH", "") not in ("", "0") or bool(ctx.options.get("print_graph"))
+    try:
+        expected = output_signature(gm)
+    except Exception:  # noqa: BLE001 - a graph fake tensors cannot run (real get_attr weights): lint only
+        expected = None
+    ctx.checked = "lint" if expected is None else "fake"
     if verbose:
         print("=== graph before passes ===\n" + gm.graph.python_code("self").src)
-    for p in PIPELINE if passes is None else passes:
+    for p in PIPELINES[pipeline] if passes is None else passes:
+        why = _disabled(p, ctx.options)
+        if why:
+            ctx.reports.append((p.__name__, {"skipped": why}))
+            if verbose:
+                print(f"=== after {p.__name__}: skipped, {why}: graph unchanged ===")
+            continue
         report = p(gm, ctx)
-        gm.graph.lint()
-        gm.recompile()
+        _check(gm, p.__name__, expected)
         ctx.reports.append((p.__name__, report))
         if verbose:
             print(f"=== after {p.__name__}: {report} ===\n" + gm.graph.python_code("self").src)

@@ -43,10 +43,16 @@ def kernel_for(op: str, device: torch.device | str) -> Callable:
         raise KeyError(f"no kernel registered for moecompile op {op!r}") from None
 
 
+def reference_kernel(op: str) -> Callable:
+    """op's reference kernel, whatever the device and MOECOMPILE_KERNELS say."""
+    return _KERNELS[(op, REFERENCE)]
+
+
 def registered_kernels() -> dict[tuple[str, str], Callable]:
     return dict(_KERNELS)
 
 
 for _op in ("route", "route_backward", "dispatch", "dispatch_backward", "experts", "experts_backward",
-            "combine", "combine_backward"):
+            "combine", "combine_backward", "route_grouped", "route_grouped_backward", "route_dispatch",
+            "route_dispatch_backward"):
     register_kernel(_op, REFERENCE, getattr(reference, _op))

@@ -78,6 +78,12 @@ def naive_route(logits, k, cf, renormalize):
         for j in range(k):
             weights[t, j] = ws[j]
             ids[t, j] = ranked[j]
+    return naive_apply_capacity(weights, ids, cf, experts)
+
+
+def naive_apply_capacity(weights, ids, cf, experts):
+    """Drop assignments over capacity in place, slot-major then token order (GShard's priority)."""
+    tokens, k = ids.shape
     if cf != 0:
         cap = naive_capacity(cf, tokens, k, experts)
         load = [0] * experts
@@ -642,3 +648,233 @@ def test_backward_kernels_chain_matches_autograd(renormalize, cf):
     exp_x, exp_logits = torch.autograd.grad(out, (xr, lr), grad_out)
     torch.testing.assert_close(g_x, exp_x, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(g_logits, exp_logits, atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------- HF routers: route_grouped (DeepSeek-V3), GLU experts (GPT-OSS)
+
+def naive_grouped_route(logits, k, cf, renormalize, scoring, bias, n_group, topk_group, scale):
+    """Per token: scores, selection by score + bias inside the best groups (sum of a group's two best), weights
+    = selected scores (no bias), renormalised with DeepSeek's 1e-20, scaled; then capacity drops."""
+    tokens, experts = logits.shape
+    size = experts // n_group
+    weights = torch.zeros(tokens, k)
+    ids = torch.zeros(tokens, k, dtype=torch.int64)
+    for t in range(tokens):
+        row = logits[t].double()
+        s = torch.exp(row) / torch.exp(row).sum() if scoring == "softmax" else 1.0 / (1.0 + torch.exp(-row))
+        choice = [s[e].item() + (bias[e].item() if bias is not None else 0.0) for e in range(experts)]
+        group_score = [sum(sorted(choice[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(n_group)]
+        allowed = sorted(range(n_group), key=lambda g: -group_score[g])[:topk_group]
+        ranked = sorted([e for e in range(experts) if e // size in allowed], key=lambda e: -choice[e])[:k]
+        ws = [s[e].item() for e in ranked]
+        if renormalize:
+            total = sum(ws) + 1e-20
+            ws = [w / total for w in ws]
+        for j in range(k):
+            weights[t, j] = ws[j] * scale
+            ids[t, j] = ranked[j]
+    return naive_apply_capacity(weights, ids, cf, experts)
+
+
+GROUPED_CASES = [  # tokens, experts, k, n_group, topk_group
+    (9, 8, 2, 4, 2), (7, 8, 3, 2, 1), (6, 12, 4, 3, 2), (5, 4, 2, 1, 1), (8, 6, 1, 6, 3), (4, 8, 8, 4, 4)]
+
+
+@pytest.mark.parametrize("tokens,experts,k,n_group,topk_group", GROUPED_CASES)
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("renormalize,scale,use_bias", [(True, 2.5, True), (False, 1.0, True), (True, 1.0, False)])
+@pytest.mark.parametrize("cf", [0.0, 0.6])
+def test_route_grouped_matches_naive(tokens, experts, k, n_group, topk_group, scoring, renormalize, scale, use_bias,
+                                     cf):
+    g = gen(300 + tokens * experts + k)
+    logits = randn(g, tokens, experts, scale=2.0)
+    bias = randn(g, experts, scale=0.3) if use_bias else None
+    weights, ids = R.route_grouped(logits, k, cf, renormalize, scoring, bias, n_group, topk_group, scale)
+    exp_w, exp_ids = naive_grouped_route(logits, k, cf, renormalize, scoring, bias, n_group, topk_group, scale)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(ids, exp_ids)
+    torch.testing.assert_close(weights, exp_w, atol=1e-6, rtol=1e-5)
+    size = experts // n_group
+    for row in ids.tolist():  # a token's experts come from at most topk_group groups
+        assert len({e // size for e in row if e < experts}) <= topk_group
+
+
+def test_route_grouped_defaults_are_route():
+    logits = randn(gen(310), 11, 6, scale=2.0)
+    for cf in (0.0, 0.5):
+        for renormalize in (True, False):
+            w1, i1 = R.route(logits, 3, cf, renormalize)
+            w2, i2 = R.route_grouped(logits, 3, cf, renormalize, "softmax", None, 1, 1, 1.0)
+            assert torch.equal(i1, i2)
+            torch.testing.assert_close(w1, w2, atol=0, rtol=0)
+
+
+def test_route_grouped_bias_selects_but_does_not_weigh():
+    # expert 3 has the lowest score but a large bias: it is chosen, and its weight is its own (unbiased) score
+    logits = torch.tensor([[2.0, 1.0, 0.5, -3.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 5.0])
+    weights, ids = R.route_grouped(logits, 2, 0.0, False, "sigmoid", bias, 1, 1, 1.0)
+    assert ids.tolist() == [[3, 0]]
+    torch.testing.assert_close(weights, torch.sigmoid(logits[:, [3, 0]]), atol=1e-7, rtol=0)
+
+
+def test_route_grouped_rejects_bad_groups():
+    with pytest.raises(ValueError):
+        R.route_grouped(torch.zeros(2, 6), 2, 0.0, True, "sigmoid", None, 4, 2, 1.0)  # 6 experts in 4 groups
+    with pytest.raises(ValueError):
+        R.route_grouped(torch.zeros(2, 8), 2, 0.0, True, "sigmoid", None, 4, 5, 1.0)  # topk_group > n_group
+    with pytest.raises(ValueError):
+        R.route_grouped(torch.zeros(2, 8), 2, 0.0, True, "tanh", None, 1, 1, 1.0)
+
+
+def test_route_grouped_zero_tokens():
+    weights, ids = R.route_grouped(torch.zeros(0, 8), 2, 1.0, True, "sigmoid", torch.zeros(8), 4, 2, 2.0)
+    assert weights.shape == (0, 2) and ids.shape == (0, 2)
+
+
+def naive_grouped_weights(logits, full_ids, keep, renormalize, scoring, scale):
+    """The weights as a differentiable function of the logits for a fixed selection."""
+    s = torch.softmax(logits, -1) if scoring == "softmax" else torch.sigmoid(logits)
+    w = s.gather(1, full_ids)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return torch.where(keep, w * scale, 0.0)
+
+
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("cf", [0.0, 0.5])
+def test_route_grouped_backward_matches_autograd(scoring, renormalize, cf):
+    g = gen(320)
+    logits = randn(g, 9, 8, scale=2.0)
+    bias = randn(g, 8, scale=0.3)
+    args = (scoring, bias, 4, 2, 2.5)
+    weights, ids = R.route_grouped(logits, 3, cf, renormalize, *args)
+    _, full_ids = R.route_grouped(logits, 3, 0.0, renormalize, *args)
+    grad_w = randn(g, *weights.shape)
+    lg = logits.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(naive_grouped_weights(lg, full_ids, ids < 8, renormalize, scoring, 2.5), lg,
+                                      grad_w)
+    got = R.route_grouped_backward(grad_w, logits, ids, 3, renormalize, *args)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def naive_swiglu_oai(gate, up, alpha, limit):
+    g = torch.where(gate > limit, torch.full_like(gate, limit), gate)
+    u = torch.where(up > limit, torch.full_like(up, limit), torch.where(up < -limit, torch.full_like(up, -limit), up))
+    return (u + 1.0) * g / (1.0 + torch.exp(-alpha * g))
+
+
+def naive_glu_ffn(v, e, w_in, b_in, w_out, b_out, act, interleaved, alpha, limit):
+    h = w_in[e] @ v
+    if b_in is not None:
+        h = h + b_in[e]
+    if interleaved:
+        gate, up = h[0::2], h[1::2]
+    else:
+        gate, up = h[: h.shape[0] // 2], h[h.shape[0] // 2:]
+    a = naive_swiglu_oai(gate, up, alpha, limit) if act == "swiglu_oai" else naive_act(act, gate) * up
+    y = w_out[e] @ a
+    return y + b_out[e] if b_out is not None else y
+
+
+@pytest.mark.parametrize("act", ["swiglu_oai", "silu", "gelu"])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_experts_glu_per_row(act, interleaved, bias):
+    g = gen(330)
+    w_in, b_in, w_out, b_out = expert_params(g, 3, 5, 4, True, bias, bias, scale=1.5)
+    counts = [3, 0, 4]  # an empty expert, and two dropped rows past offsets[-1]
+    offsets = offsets_from_counts(counts)
+    x = randn(g, 9, 5, scale=2.0)
+    alpha, limit = 1.3, 2.0  # small limit: the clamps bite on these inputs
+    y = R.experts(x, offsets, w_in, b_in, w_out, b_out, act, True, interleaved, alpha, limit)
+    for row in range(9):
+        e = expert_of_row(offsets, row)
+        expected = torch.zeros(5) if e is None else naive_glu_ffn(x[row], e, w_in, b_in, w_out, b_out, act,
+                                                                  interleaved, alpha, limit)
+        torch.testing.assert_close(y[row], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_swiglu_oai_clamps_bite():
+    h = torch.tensor([[9.0, 9.0, -9.0, -9.0]])  # interleaved: gate 9 (clamped), up 9 (clamped); gate -9, up -9
+    out = A.expert_activation("swiglu_oai", True, h, True, 1.702, 7.0)
+    expected = torch.tensor([[(7.0 + 1) * 7.0 * torch.sigmoid(torch.tensor(1.702 * 7.0)).item(),
+                              (-7.0 + 1) * -9.0 * torch.sigmoid(torch.tensor(-1.702 * 9.0)).item()]])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError):
+        A.expert_activation("swiglu_oai", False, h)
+
+
+@pytest.mark.parametrize("act", ["swiglu_oai", "silu"])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_expert_glu_activation_backward_matches_autograd(act, interleaved):
+    g = gen(340)
+    h = (randn(g, 6, 10, scale=4.0)).requires_grad_()
+    out = A.expert_activation(act, True, h, interleaved, 1.5, 3.0)
+    grad_a = randn(g, *out.shape)
+    (expected,) = torch.autograd.grad(out, h, grad_a)
+    got = A.expert_activation_backward(act, True, h.detach(), grad_a, interleaved, 1.5, 3.0)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_experts_glu_backward_matches_autograd(interleaved):
+    g = gen(350)
+    w_in, b_in, w_out, b_out = expert_params(g, 3, 5, 4, True, True, True, scale=1.5, requires_grad=True)
+    offsets = offsets_from_counts([2, 0, 4])
+    x = randn(g, 8, 5, scale=2.0).requires_grad_()
+    glu = (interleaved, 1.3, 2.0)
+
+    def naive(x, w_in, b_in, w_out, b_out):
+        rows = []
+        for row in range(x.shape[0]):
+            e = expert_of_row(offsets, row)
+            rows.append(torch.zeros(5) if e is None else
+                        naive_glu_ffn(x[row], e, w_in, b_in, w_out, b_out, "swiglu_oai", *glu))
+        return torch.stack(rows)
+
+    grad_y = randn(g, 8, 5)
+    params = (x, w_in, b_in, w_out, b_out)
+    expected = torch.autograd.grad(naive(*params), params, grad_y)
+    got = R.experts_backward(grad_y, x.detach(), offsets, w_in.detach(), b_in.detach(), w_out.detach(),
+                             "swiglu_oai", True, True, *glu)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("logits_fp32,router_bias", [(True, False), (False, True)])
+def test_route_dispatch_is_linear_route_dispatch(logits_fp32, router_bias):
+    g = gen(360)
+    hidden, weight = randn(g, 10, 6), randn(g, 8, 6)
+    bias = randn(g, 8) if router_bias else None
+    corr = randn(g, 8, scale=0.3)
+    routing = (3, 0.7, True, "sigmoid", corr, 4, 2, 2.5)
+    got = R.route_dispatch(hidden, weight, bias, *routing, logits_fp32)
+    logits = hidden @ weight.t() + (bias if bias is not None else 0.0)
+    w, ids = naive_grouped_route(logits, 3, 0.7, True, "sigmoid", corr, 4, 2, 2.5)
+    assert torch.equal(got[1], ids)
+    torch.testing.assert_close(got[0], w, atol=1e-6, rtol=1e-5)
+    assert got[3].tolist() == naive_dispatch_order(ids, 8)
+    torch.testing.assert_close(got[2], hidden[got[3] // 3], atol=0, rtol=0)
+    counts = [int((ids == e).sum()) for e in range(8)]
+    assert got[4].tolist() == torch.tensor(counts).cumsum(0).tolist()
+
+
+def test_route_dispatch_backward_matches_autograd():
+    g = gen(370)
+    hidden, weight, bias = randn(g, 9, 6), randn(g, 8, 6), randn(g, 8)
+    routing = dict(top_k=3, renormalize=True, scoring="softmax", correction_bias=None, n_group=2, topk_group=1,
+                   scaling_factor=1.5)
+    args = (routing["top_k"], 0.0, True, "softmax", None, 2, 1, 1.5, False)
+    weights, ids, rows, order, _ = R.route_dispatch(hidden, weight, bias, *args)
+    grad_w, grad_rows = randn(g, *weights.shape), randn(g, *rows.shape)
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    logits = h @ w.t() + b
+    expected_w = naive_grouped_weights(logits, ids, ids < 8, True, "softmax", 1.5)
+    expected_rows = h[order // 3]
+    expected = torch.autograd.grad((expected_w * grad_w).sum() + (expected_rows * grad_rows).sum(), (h, w, b))
+    got = R.route_dispatch_backward(grad_w, grad_rows, hidden, weight, bias, ids, order, 3, True, "softmax", None, 2,
+                                    1, 1.5, False)
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)

@@ -10,7 +10,8 @@ from moecompile.runtime import registry
 
 OPS = torch.ops.moecompile
 OP_NAMES = ("route", "route_backward", "dispatch", "dispatch_backward", "experts", "experts_backward",
-            "combine", "combine_backward")
+            "combine", "combine_backward", "route_grouped", "route_grouped_backward", "route_dispatch",
+            "route_dispatch_backward")
 
 
 def gen(seed):
@@ -126,6 +127,124 @@ def test_experts_backward_op_returns_empty_tensors_for_missing_biases():
     assert grads[2].numel() == 0 and grads[4].numel() == 0
     assert grads[0].shape == d["rows"].shape and grads[1].shape == d["w_in"].shape
     assert grads[3].shape == d["w_out"].shape
+
+
+# opcheck of the additions for HF routers and experts: DeepSeek-V3 routing, GPT-OSS experts, the fused router op
+
+def grouped_args(d, scoring="sigmoid", bias=True):
+    corr = randn(d["g"], d["experts"], scale=0.3) if bias else None
+    return (scoring, corr, 2, 1, 2.5) if d["experts"] % 2 == 0 else (scoring, corr, 1, 1, 2.5)
+
+
+@pytest.mark.parametrize("scoring,bias", [("sigmoid", True), ("softmax", False)])
+@pytest.mark.parametrize("cf", [0.0, 0.5])
+def test_opcheck_route_grouped(scoring, bias, cf):
+    d = setup_moe(50, experts=4, cf=cf, requires_grad=True)
+    torch.library.opcheck(OPS.route_grouped.default, (d["logits"], 2, cf, True, *grouped_args(d, scoring, bias)))
+
+
+def test_opcheck_route_grouped_defaults():
+    d = setup_moe(51, experts=4, requires_grad=True)
+    torch.library.opcheck(OPS.route_grouped.default, (d["logits"], 2, 0.0, False))
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_opcheck_route_grouped_backward(renormalize):
+    d = setup_moe(52, experts=4, cf=0.5)
+    args = grouped_args(d)
+    _, ids = OPS.route_grouped(d["logits"], 2, 0.5, renormalize, *args)
+    grad_w = randn(d["g"], d["tokens"], 2)
+    torch.library.opcheck(OPS.route_grouped_backward.default, (grad_w, d["logits"], ids, 2, renormalize, *args))
+
+
+@pytest.mark.parametrize("act,interleaved", [("swiglu_oai", True), ("silu", True), ("swiglu_oai", False)])
+def test_opcheck_experts_glu(act, interleaved):
+    d = setup_moe(53, gated=True, requires_grad=True)
+    torch.library.opcheck(OPS.experts.default, (d["rows"], d["offsets"], d["w_in"], d["b_in"], d["w_out"],
+                                                d["b_out"], act, True, interleaved, 1.3, 2.0))
+
+
+def test_opcheck_experts_backward_glu():
+    d = setup_moe(54, gated=True)
+    grad_y = randn(d["g"], *d["y"].shape)
+    torch.library.opcheck(OPS.experts_backward.default, (grad_y, d["rows"], d["offsets"], d["w_in"], d["b_in"],
+                                                         d["w_out"], "swiglu_oai", True, True, True, 1.3, 2.0))
+
+
+@pytest.mark.parametrize("router_bias,logits_fp32", [(True, False), (False, True)])
+def test_opcheck_route_dispatch(router_bias, logits_fp32):
+    d = setup_moe(55, experts=4, cf=0.5, requires_grad=True)
+    weight = randn(d["g"], 4, d["hidden"], requires_grad=True)
+    bias = randn(d["g"], 4, requires_grad=True) if router_bias else None
+    torch.library.opcheck(OPS.route_dispatch.default, (d["x"], weight, bias, 2, 0.5, True, *grouped_args(d),
+                                                       logits_fp32))
+
+
+def test_opcheck_route_dispatch_backward():
+    d = setup_moe(56, experts=4, cf=0.5)
+    weight, bias = randn(d["g"], 4, d["hidden"]), randn(d["g"], 4)
+    args = grouped_args(d)
+    weights, ids, rows, order, _ = OPS.route_dispatch(d["x"], weight, bias, 2, 0.5, True, *args, False)
+    torch.library.opcheck(OPS.route_dispatch_backward.default,
+                          (randn(d["g"], *weights.shape), randn(d["g"], *rows.shape), d["x"], weight, bias, ids,
+                           order, 2, True, *args, False))
+
+
+def test_gradcheck_route_grouped():
+    g = gen(57)
+    tokens, experts = 6, 8
+    # well separated logits keep the selection fixed under the finite-difference perturbation
+    logits = (torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)]).double() * 0.7
+              + torch.rand(tokens, experts, generator=g, dtype=torch.float64) * 0.1).requires_grad_()
+    corr = torch.linspace(-0.01, 0.01, experts)
+    assert torch.autograd.gradcheck(lambda lg: OPS.route_grouped(lg, 3, 0.5, True, "sigmoid", corr, 4, 2, 2.5)[0],
+                                    (logits,), eps=1e-3, atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_gradcheck_experts_swiglu_oai(interleaved):
+    d = setup_moe(58, cf=0.5, gated=True, dtype=torch.float64, requires_grad=True)
+    offsets = d["offsets"]
+    assert torch.autograd.gradcheck(
+        lambda x, wi, bi, wo, bo: OPS.experts(x, offsets, wi, bi, wo, bo, "swiglu_oai", True, interleaved, 1.3, 2.0),
+        (d["rows"], d["w_in"], d["b_in"], d["w_out"], d["b_out"]))
+
+
+def test_gradcheck_route_dispatch():
+    g = gen(59)
+    tokens, hidden, experts = 5, 4, 4
+    x = randn(g, tokens, hidden, dtype=torch.float64, requires_grad=True)
+    weight = randn(g, experts, hidden, dtype=torch.float64, requires_grad=True)
+    bias = randn(g, experts, dtype=torch.float64, requires_grad=True)
+
+    def fused(x, w, b):
+        weights, _, rows, _, _ = OPS.route_dispatch(x, w, b, 2, 0.0, True, "softmax", None, 1, 1, 1.0, False)
+        return weights.double().sum(-1, keepdim=True) * 0.3 + rows.sum()
+
+    assert torch.autograd.gradcheck(fused, (x, weight, bias), eps=1e-3, atol=2e-3, rtol=1e-2)
+
+
+def test_fused_and_unfused_ops_agree_with_grads():
+    d = setup_moe(60, experts=4, gated=True, requires_grad=True)
+    weight = randn(d["g"], 4, d["hidden"], requires_grad=True)
+    args = ("sigmoid", randn(d["g"], 4, scale=0.3), 2, 1, 2.5)
+
+    def unfused(x, w):
+        weights, ids = OPS.route_grouped(torch.nn.functional.linear(x.float(), w.float()), 2, 0.0, True, *args)
+        rows, order, offsets = OPS.dispatch(x, ids, 4)
+        return OPS.combine(OPS.experts(rows, offsets, d["w_in"], None, d["w_out"], None, "silu", True), order,
+                           weights)
+
+    def fused(x, w):
+        weights, _, rows, order, offsets = OPS.route_dispatch(x, w, None, 2, 0.0, True, *args, True)
+        return OPS.combine(OPS.experts(rows, offsets, d["w_in"], None, d["w_out"], None, "silu", True), order,
+                           weights)
+
+    g = randn(d["g"], d["tokens"], d["hidden"])
+    out_u, out_f = unfused(d["x"], weight), fused(d["x"], weight)
+    torch.testing.assert_close(out_f, out_u, atol=1e-6, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(out_f, (d["x"], weight), g), torch.autograd.grad(out_u, (d["x"], weight), g)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ float64 gradcheck
@@ -381,3 +500,20 @@ def test_registry_tests_leave_nothing_behind():
     assert all(fn.__module__ != __name__ for fn in registered_kernels().values())
     assert kernel_for("combine", "cpu") is registered_kernels().get(("combine", "cpu"), R.combine)
     assert len(moecompile.ops.MOE_OPS) == 4
+
+
+def test_eight_argument_experts_kernels_keep_serving_standard_calls(isolated_registry):
+    calls = []
+
+    @register_kernel("experts", "cpu")
+    def original_contract(x, offsets, w_in, b_in, w_out, b_out, activation, gated):
+        calls.append(activation)
+        return R.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
+
+    d = setup_moe(61, gated=True)
+    OPS.experts(d["rows"], d["offsets"], d["w_in"], d["b_in"], d["w_out"], d["b_out"], "silu", True)
+    assert calls == ["silu"]
+    # GPT-OSS's experts need the three trailing arguments: that kernel cannot take them, the reference runs
+    args = (d["rows"], d["offsets"], d["w_in"], d["b_in"], d["w_out"], d["b_out"], "swiglu_oai", True, True, 1.3, 2.0)
+    torch.testing.assert_close(OPS.experts(*args), R.experts(*args), rtol=0, atol=0)
+    assert calls == ["silu"]

@@ -1,0 +1,107 @@
+"""The torch.compile backend: `torch.compile(model, backend="moecompile", options={...})`.
+
+Dynamo hands over each captured graph; the "compile" pipeline of passes/pipeline.py rewrites the MoE parts into
+moecompile ops (recognise_moe, set_capacity, fuse_route_dispatch) and everything else goes on to inductor
+(compile_fx) unchanged. The backend is found through the `torch_dynamo_backends` entry point, so no import of
+moecompile is needed; it is a plain function (Dynamo registers the entry point's name itself, and registering
+the same name twice fails).
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from .errors import MoECompileError
+
+log = logging.getLogger("moecompile")
+
+# option -> (type, default, meaning)
+OPTIONS = {
+    "inductor": (bool, True, "compile the rewritten graph with inductor; False: AOT autograd without code "
+                             "generation (aot_eager, fast to compile)"),
+    "mode": (str, None, "inductor mode, as torch.compile's mode= (e.g. max-autotune-no-cudagraphs)"),
+    "inductor_config": (dict, None, "inductor config patches"),
+    "fuse": (bool, True, "fuse_route_dispatch: router linear + routing + permutation as one op"),
+    "capacity_factor": ((int, float), None, "set_capacity: > 0 fixed capacity, 0 dropless, < 0 dropless up to a cap"),
+    "print_graph": (bool, False, "print the graph before and after each pass"),
+}
+NOT_YET = {"fp8": "insert_fp8", "expert_parallel": "insert_all_to_all"}
+HISTORY = 64
+
+
+@dataclass
+class CompileRecord:
+    """One graph the backend compiled: the rewritten GraphModule and each pass's report."""
+    graph_module: fx.GraphModule
+    reports: list[tuple[str, dict]]
+    checked: str
+
+    @property
+    def moe_blocks(self) -> int:
+        return sum(len(r.get("recognised", [])) for _, r in self.reports)
+
+
+_records: deque[CompileRecord] = deque(maxlen=HISTORY)
+
+
+def records() -> list[CompileRecord]:
+    """The last graphs the backend compiled in this process (oldest first)."""
+    return list(_records)
+
+
+def clear_records() -> None:
+    _records.clear()
+
+
+def resolve_options(options: dict | None, mode: str | None = None) -> dict:
+    """Check options against OPTIONS and fill the defaults; a mistake is a one-line MoECompileError."""
+    options = dict(options or {})
+    if mode is not None and mode != "default":
+        options.setdefault("mode", mode)
+    for key, val in options.items():
+        if key in NOT_YET:
+            raise MoECompileError(f"option {key!r} needs the {NOT_YET[key]} pass, which is not in this release")
+        if key not in OPTIONS:
+            raise MoECompileError(f"unknown moecompile option {key!r}; known: {', '.join(OPTIONS)}")
+        kind = OPTIONS[key][0]
+        if val is not None and (not isinstance(val, kind) or (kind is not bool and isinstance(val, bool))):
+            raise MoECompileError(f"option {key!r} must be {getattr(kind, '__name__', 'a number')}, got {val!r}")
+    return {key: options.get(key, default) for key, (_, default, _) in OPTIONS.items()}
+
+
+def _inductor(gm: fx.GraphModule, example_inputs, opts: dict):
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(list_mode_options(opts["mode"])) if opts["mode"] else {}
+    patches.update(opts["inductor_config"] or {})
+    return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+
+def moecompile_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
+    """Dynamo backend: rewrite MoE blocks into moecompile ops, then inductor (or eager with inductor=False)."""
+    from moecompile.passes.pipeline import run_pipeline
+
+    opts = resolve_options(options, mode)
+    gm, ctx = run_pipeline(gm, opts, pipeline="compile")
+    _records.append(CompileRecord(gm, ctx.reports, ctx.checked))
+    for name, report in ctx.reports:
+        log.info("%s: %s", name, report)
+    if not opts["inductor"]:  # AOT autograd without code generation: the rewritten graph as inductor sees it
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+    return _inductor(gm, example_inputs, opts)
+
+
+def compile(model, *, fullgraph: bool = False, dynamic: bool | None = None, **options):
+    """torch.compile(model, backend="moecompile", options=options), without going through the entry point.
+
+    Options (see OPTIONS): inductor, mode, inductor_config, fuse, capacity_factor, print_graph."""
+    resolve_options(options)  # fail here, not at the first call
+    return torch.compile(model, backend=moecompile_backend, fullgraph=fullgraph, dynamic=dynamic,
+                         options=options or None)

@@ -1,0 +1,96 @@
+"""fuse_route_dispatch: router linear -> route (or route_grouped) -> dispatch becomes one moecompile::route_dispatch.
+
+Matched on the dispatch node: its expert ids come from a route whose logits are a linear of the same token rows
+(up to dtype casts: a cast to float32 means the logits are computed in float32). A fused kernel then never
+writes the [tokens, experts] logits or probabilities to memory. A logits node still used elsewhere (an aux loss,
+output_router_logits) is kept for those users.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from .nodes import call, cast_dtype, kind, moe_op, outputs, same_tensor, strip_casts
+
+# route's and route_grouped's arguments after the logits, with route_grouped's defaults
+_ROUTING = ("top_k", "capacity_factor", "renormalize", "scoring", "correction_bias", "n_group", "topk_group",
+            "scaling_factor")
+_DEFAULTS = {"scoring": "softmax", "correction_bias": None, "n_group": 1, "topk_group": 1, "scaling_factor": 1.0}
+
+
+def _routing_args(route: fx.Node) -> dict:
+    args = dict(_DEFAULTS)
+    args.update(zip(_ROUTING, route.args[1:]))
+    args.update({k: v for k, v in route.kwargs.items() if k in _ROUTING})
+    return args
+
+
+def _getitems(node: fx.Node) -> dict[int, fx.Node]:
+    return {u.args[1]: u for u in node.users if u.op == "call_function" and u.target is operator.getitem}
+
+
+def _match(dispatch: fx.Node):
+    """(route, linear, weight, bias, logits_fp32) if dispatch's ids come from a route over a linear of its rows."""
+    hidden, ids = dispatch.args[0], dispatch.args[1]
+    if not (ids.op == "call_function" and ids.target is operator.getitem and ids.args[1] == 1):
+        return None
+    route = ids.args[0]
+    if moe_op(route) not in ("route", "route_grouped"):
+        return None
+    linear = route.args[0]
+    if kind(linear) != "linear":
+        return None
+    x, x_fp32 = strip_casts(linear.args[0])
+    weight, w_fp32 = strip_casts(linear.args[1])
+    bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+    if bias is not None:
+        bias, _ = strip_casts(bias)
+    base = hidden
+    while cast_dtype(base) == torch.float32:  # x.float() on float32 rows is the rows (export keeps the cast)
+        base = base.args[0]
+    if not (same_tensor(x, hidden) or same_tensor(x, base)):
+        return None
+    return route, linear, weight, bias, x_fp32 or w_fp32
+
+
+def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase the linear and the casts feeding it once nothing uses them."""
+    while nodes:
+        node = nodes.pop()
+        if node.users or not (kind(node) in ("linear", "cast")):
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        nodes.extend(inputs)
+
+
+def fuse_route_dispatch(gm: fx.GraphModule, ctx) -> dict:
+    """Pass: fuse every router linear + route + dispatch chain into one route_dispatch node."""
+    graph, fused = gm.graph, []
+    for dispatch in [n for n in graph.nodes if moe_op(n) == "dispatch"]:
+        found = _match(dispatch)
+        if found is None:
+            continue
+        route, linear, weight, bias, logits_fp32 = found
+        r = _routing_args(route)
+        meta = {k: dispatch.meta[k] for k in ("nn_module_stack", "stack_trace", "moecompile_block")
+                if k in dispatch.meta}
+        with graph.inserting_before(dispatch):
+            node = call(graph, torch.ops.moecompile.route_dispatch.default, dispatch.args[0], weight, bias,
+                        r["top_k"], r["capacity_factor"], r["renormalize"], r["scoring"], r["correction_bias"],
+                        r["n_group"], r["topk_group"], r["scaling_factor"], logits_fp32, meta=meta)
+            new = outputs(graph, node, 5, meta=meta)
+        for i, old in _getitems(route).items():
+            old.replace_all_uses_with(new[i])
+        for i, old in _getitems(dispatch).items():
+            old.replace_all_uses_with(new[2 + i])
+        for old in list(_getitems(dispatch).values()) + [dispatch] + list(_getitems(route).values()) + [route]:
+            graph.erase_node(old)
+        for getitem in new:
+            if not getitem.users:
+                graph.erase_node(getitem)
+        _erase_unused(graph, [linear])  # the logits and their casts, unless used elsewhere
+        fused.append(meta.get("moecompile_block", node.name))
+    return {"fused": fused}
