@@ -8,7 +8,7 @@ from .errors import MoECompileError
 from .kernels.activations import activation as activation_fn  # noqa: F401  (the one definition)
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
-ACTIVATION_ALIASES = {"gelu_new": "gelu_tanh", "tanh": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "swish": "silu"}
+ACTIVATION_ALIASES = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "swish": "silu"}
 
 
 def identify_activation(fn) -> str | None:
