@@ -4,6 +4,7 @@
     model = moecompile.moeize(model, experts=16, top_k=2, method="upcycle")
     moecompile.save(model, "gpt2-moe16")
     model = moecompile.load("gpt2-moe16")
+    moecompile.export_onnx(model, "gpt2-moe16.onnx")
 """
 from . import hf, ops  # ops registers the moecompile:: custom ops
 from .backend import compile
@@ -12,10 +13,11 @@ from .checkpoint import load, save
 from .config import MoEConfig
 from .convert import moeize
 from .errors import MoECompileError
+from .onnx_export import export_onnx  # onnx / onnxscript imported on first use
 from .stats import RoutingStats, routing_metrics, routing_stats, track_routing
 
-__all__ = ["MoEBlock", "MoEExperts", "MoEConfig", "MoECompileError", "RoutingStats", "aux_loss", "compile", "load",
-           "moeize", "ops", "routing_metrics", "routing_stats", "save", "track_routing"]
+__all__ = ["MoEBlock", "MoEExperts", "MoEConfig", "MoECompileError", "RoutingStats", "aux_loss", "compile",
+           "export_onnx", "load", "moeize", "ops", "routing_metrics", "routing_stats", "save", "track_routing"]
 __version__ = "0.1.0"
 
 hf.register()  # model.set_experts_implementation("moecompile") for every HF MoE model

@@ -1,4 +1,4 @@
-"""Command line: `moecompile convert` and `moecompile inspect`.
+"""Command line: `moecompile convert`, `moecompile inspect` and `moecompile export-onnx`.
 
 Errors in the user's input print one line `moecompile: error: ...` and exit with code 2.
 """
@@ -57,6 +57,16 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--probe-text", default=None, metavar="FILE",
                    help="probe with this text, tokenized by the checkpoint's tokenizer (default: random token ids)")
     i.add_argument("--seed", type=int, default=0, help="seed of the random probe tokens")
+
+    o = sub.add_parser("export-onnx", help="export a model (MoE blocks as com.microsoft::MoE where exact) to ONNX")
+    o.add_argument("model", help="a moecompile checkpoint folder, or anything `convert` takes (exported as it is)")
+    o.add_argument("--out", default=None, help="output .onnx file (default ./<model>.onnx)")
+    o.add_argument("--random-init", action="store_true")
+    o.add_argument("--no-contrib", action="store_true",
+                   help="lower every MoE block to standard ONNX ops, even where com.microsoft::MoE is exact")
+    o.add_argument("--no-verify", action="store_true", help="skip the onnxruntime-vs-torch check at two sizes")
+    o.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    o.add_argument("--no-progress", action="store_true")
     return p
 
 
@@ -222,6 +232,36 @@ def _probe_routing(model, a) -> dict:
         title = f"{name}: expert load per block on {probe}" + (f", top-{ks.pop()}" if len(ks) == 1 else "")
         out["plot"] = str(save_png(expert_load_figure(stats, title), a.plot or f"{name}-expert-load.png"))
     return out
+def export_onnx_cmd(a) -> int:
+    from pathlib import Path
+
+    from . import checkpoint, models
+    from .onnx_export import OPSET, compare_onnxruntime, export_onnx, token_ids
+
+    out = Path(a.out or f"{a.model.rstrip('/').split('/')[-1]}.onnx")
+    if out.exists() and not a.overwrite:
+        raise MoECompileError(f"output file {out} exists (pass --overwrite to replace it)")
+    progress = not a.no_progress
+    start = time.perf_counter()
+    if checkpoint.is_checkpoint(a.model):
+        model, random_weights = checkpoint.load(a.model, progress=progress), False
+    else:
+        source = models.load_source(a.model, random_init=a.random_init, progress=progress)
+        model, random_weights = source.model, source.random_weights
+    report = export_onnx(model, out, contrib=not a.no_contrib, overwrite=a.overwrite, progress=progress)
+    print(f"exported {a.model}{' (RANDOM weights)' if random_weights else ''} to {out} "
+          f"({out.stat().st_size / 1e6:.1f} MB, opset {OPSET}) in {time.perf_counter() - start:.1f} s: "
+          f"{', '.join(report.input_names)} [batch, sequence] -> {', '.join(report.output_names)}")
+    if not report.blocks:
+        print("  no MoE blocks (a dense model, exported as it is)")
+    for line in report.lines():
+        print(f"  {line}")
+    if not a.no_verify:
+        sizes = [(1, 8), (4, 32)]
+        diffs = compare_onnxruntime(model, out, [(token_ids(model, b, s, seed=i),) for i, (b, s) in enumerate(sizes)])
+        where = ", ".join(f"max abs diff {d:.2g} at batch {b} x {s}" for d, (b, s) in zip(diffs, sizes))
+        print(f"  onnxruntime (CPU) vs torch: {where}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
 
         transformers.logging.set_verbosity_error()
-        return {"convert": convert, "inspect": inspect_cmd}[args.command](args)
+        return {"convert": convert, "inspect": inspect_cmd, "export-onnx": export_onnx_cmd}[args.command](args)
     except MoECompileError as e:
         print(f"moecompile: error: {e}", file=sys.stderr)
         return 2
