@@ -10,7 +10,9 @@ from .block import MoEBlock, MoEExperts, aux_loss
 from .checkpoint import load, save
 from .config import MoEConfig
 from .convert import moeize
+from .distributed import distribute
 from .errors import MoECompileError
 
-__all__ = ["MoEBlock", "MoEExperts", "MoEConfig", "MoECompileError", "aux_loss", "load", "moeize", "ops", "save"]
+__all__ = ["MoEBlock", "MoEExperts", "MoEConfig", "MoECompileError", "aux_loss", "distribute", "load", "moeize", "ops",
+           "save"]
 __version__ = "0.1.0"

@@ -78,13 +78,18 @@ class MoEBlock(nn.Module):
         weights, expert_ids = ops.route(logits, top_k, float(capacity_factor), c.renormalize)
         if c.gate_weighting == "unit":  # weight 1 per kept expert, straight-through gradient to the router
             weights = torch.where(expert_ids < c.num_experts, weights - weights.detach() + 1.0, 0.0)
-        rows, order, offsets = ops.dispatch(x, expert_ids, c.num_experts)
-        out = ops.combine(self.experts(rows, offsets, c.activation, c.gated), order, weights)
+        out = self.run_experts(x, weights, expert_ids)
         if self.bias is not None:
             out = out + self.bias
         if self.training and x.shape[0] > 0:
             self.aux_loss = self._aux_loss(logits, top_k)
         return self.dropout(out).reshape(shape)
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Routed tokens -> weighted sum of their experts' outputs (expert parallelism overrides this)."""
+        c = self.config
+        rows, order, offsets = ops.dispatch(x, expert_ids, c.num_experts)
+        return ops.combine(self.experts(rows, offsets, c.activation, c.gated), order, weights)
 
     def _aux_loss(self, logits: torch.Tensor, top_k: int) -> torch.Tensor:
         """Switch/GShard load balancing E * sum_e f_e P_e (f: fraction of top-k choices, P: mean router

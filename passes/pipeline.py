@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from .find_ffn import find_ffn
+from .insert_all_to_all import insert_all_to_all
 from .moeize import moeize
 
-# dense -> MoE conversion, in order. Later stages (recognise_moe, fuse_route_dispatch, insert_fp8,
-# insert_all_to_all) join this list as they land.
-PIPELINE = [find_ffn, moeize]
+# dense -> MoE conversion, in order. Later stages (recognise_moe, fuse_route_dispatch, insert_fp8) join this list
+# as they land. insert_all_to_all is a no-op unless options["expert_parallel"] asks for expert parallelism.
+PIPELINE = [find_ffn, moeize, insert_all_to_all]
 
 
 @dataclass
