@@ -32,7 +32,8 @@ def _local_weight(gm: fx.GraphModule, node: fx.Node | None, first: int, local: i
         owner, _, name = node.target.rpartition(".")
         module = gm.get_submodule(owner) if owner else gm
         full = getattr(module, name)
-        setattr(module, name, nn.Parameter(full.detach()[first:first + local].clone(), requires_grad=full.requires_grad))
+        local_weight = full.detach()[first:first + local].clone()
+        setattr(module, name, nn.Parameter(local_weight, requires_grad=full.requires_grad))
         return node
     return gm.graph.call_method("narrow", (node, 0, first, local))
 
