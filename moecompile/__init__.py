@@ -12,12 +12,14 @@ from .block import MoEBlock, MoEExperts, aux_loss
 from .checkpoint import load, save
 from .config import MoEConfig
 from .convert import moeize
+from .distributed import distribute
 from .errors import MoECompileError
 from .onnx_export import export_onnx  # onnx / onnxscript imported on first use
 from .stats import RoutingStats, routing_metrics, routing_stats, track_routing
 
 __all__ = ["MoEBlock", "MoEExperts", "MoEConfig", "MoECompileError", "RoutingStats", "aux_loss", "compile",
-           "export_onnx", "load", "moeize", "ops", "routing_metrics", "routing_stats", "save", "track_routing"]
+           "distribute", "export_onnx", "load", "moeize", "ops", "routing_metrics", "routing_stats", "save",
+           "track_routing"]
 __version__ = "0.1.0"
 
 hf.register()  # model.set_experts_implementation("moecompile") for every HF MoE model

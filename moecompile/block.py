@@ -82,21 +82,22 @@ class MoEBlock(nn.Module):
         weights, expert_ids = ops.route(logits, top_k, float(capacity_factor), c.renormalize)
         if c.gate_weighting == "unit":  # weight 1 per kept expert, straight-through gradient to the router
             weights = torch.where(expert_ids < c.num_experts, weights - weights.detach() + 1.0, 0.0)
-        rows, order, offsets = ops.dispatch(x, expert_ids, c.num_experts)
-        out = ops.combine(self.experts(rows, offsets, c.activation, c.gated), order, weights)
+        out = self.run_experts(x, weights, expert_ids)
         if self.bias is not None:
             out = out + self.bias
         if self.training and x.shape[0] > 0:
             self.aux_loss = self._aux_loss(logits, top_k)
         if self.track_routing and not torch.compiler.is_exporting():  # export would leave fake tensors here
-            self.routing = self._routing(logits, expert_ids, offsets, top_k)
+            self.routing = self._routing(logits, expert_ids, top_k)
         return self.dropout(out).reshape(shape)
 
-    def _routing(self, logits, expert_ids, offsets, top_k: int) -> dict:
-        """Kept assignments per expert (from dispatch's cumulative offsets: no bincount), dropped assignments
-        (id E), aux loss and mean router entropy (nats) of this forward: detached, on the input's device."""
+    def _routing(self, logits, expert_ids, top_k: int) -> dict:
+        """Kept assignments per expert (scatter_add: no bincount, no host sync), dropped assignments (id E), aux
+        loss and mean router entropy (nats) of this forward: detached, on the input's device."""
         with torch.no_grad():
-            counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1, dtype=torch.long))
+            flat = expert_ids.reshape(-1)
+            counts = torch.zeros(self.config.num_experts + 1, dtype=torch.long, device=flat.device).scatter_add_(
+                0, flat, torch.ones_like(flat))[: self.config.num_experts]
             if logits.shape[0] > 0:
                 aux = self.aux_loss if self.training else self._aux_loss(logits, top_k)
                 entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
@@ -104,6 +105,11 @@ class MoEBlock(nn.Module):
                 aux = entropy = logits.new_zeros(())
             return {"counts": counts, "dropped": (expert_ids == self.config.num_experts).sum(),
                     "aux_loss": aux.detach().float(), "entropy": entropy.float(), "top_k": top_k}
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Routed tokens -> weighted sum of their experts' outputs (expert parallelism overrides this)."""
+        c = self.config
+        rows, order, offsets = ops.dispatch(x, expert_ids, c.num_experts)
+        return ops.combine(self.experts(rows, offsets, c.activation, c.gated), order, weights)
 
     def _aux_loss(self, logits: torch.Tensor, top_k: int) -> torch.Tensor:
         """Switch/GShard load balancing E * sum_e f_e P_e (f: fraction of top-k choices, P: mean router

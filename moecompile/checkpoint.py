@@ -7,11 +7,13 @@ that are corrupt or do not fit the config.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -52,44 +54,68 @@ def is_checkpoint(directory: str | os.PathLike) -> bool:
 def save(model: nn.Module, directory: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None,
          max_shard_size: str | int = DEFAULT_SHARD_SIZE, progress: bool = True) -> Path:
     """Write model (converted by moeize) to directory, atomically."""
-    directory = check_output_dir(directory)
+    from .distributed import is_distributed
+
+    if is_distributed(model):
+        raise MoECompileError("this model's experts are sharded over ranks: save it with moecompile.distributed.save")
     blocks = layout.get_layout(model)
+    with atomic_directory(directory) as tmp, tqdm(total=3, desc="save", unit="step", disable=not progress) as bar:
+        if hasattr(model, "save_pretrained"):  # HF: config, tied weights, sharding and index
+            from transformers.utils import logging as hf_logging
+
+            bars = hf_logging.is_progress_bar_enabled()
+            if not progress:  # transformers' own "Writing model shards" bar
+                hf_logging.disable_progress_bar()
+            try:
+                model.save_pretrained(tmp, max_shard_size=max_shard_size)
+            finally:
+                if bars and not progress:
+                    hf_logging.enable_progress_bar()
+            config = json.loads((tmp / CONFIG).read_text())
+        else:
+            save_model(model, str(tmp / WEIGHTS))
+            config = {}
+        bar.update()
+        config["moe"] = {"format_version": layout.FORMAT_VERSION, "blocks": blocks}
+        write_config(tmp, config)
+        bar.update()
+        copy_tokenizer(tokenizer_dir, tmp)
+        bar.update()
+    return Path(directory)
+
+
+@contextlib.contextmanager
+def atomic_directory(directory: str | os.PathLike) -> Iterator[Path]:
+    """A temporary sibling folder to write into: renamed to `directory` when the block succeeds, removed when it
+    fails or is interrupted, so no half-written output is ever left. Refuses an existing non-empty directory."""
+    directory = check_output_dir(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
     try:
-        with tqdm(total=3, desc="save", unit="step", disable=not progress) as bar:
-            if hasattr(model, "save_pretrained"):  # HF: config, tied weights, sharding and index
-                from transformers.utils import logging as hf_logging
-
-                bars = hf_logging.is_progress_bar_enabled()
-                if not progress:  # transformers' own "Writing model shards" bar
-                    hf_logging.disable_progress_bar()
-                try:
-                    model.save_pretrained(tmp, max_shard_size=max_shard_size)
-                finally:
-                    if bars and not progress:
-                        hf_logging.enable_progress_bar()
-                config = json.loads((tmp / CONFIG).read_text())
-            else:
-                save_model(model, str(tmp / WEIGHTS))
-                config = {}
-            bar.update()
-            config["moe"] = {"format_version": layout.FORMAT_VERSION, "blocks": blocks}
-            (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            bar.update()
-            if tokenizer_dir is not None:
-                for name in TOKENIZER_FILES:
-                    if (Path(tokenizer_dir) / name).is_file():
-                        shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
-            bar.update()
-        _default_permissions(tmp)
-        if directory.exists():
-            directory.rmdir()  # empty, checked above
-        os.rename(tmp, directory)
+        yield tmp
+        publish(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return directory
+
+
+def publish(tmp: Path, directory: Path) -> None:
+    """Rename a finished temporary folder to `directory` (absent or empty), with default permissions."""
+    _default_permissions(tmp)
+    if directory.exists():
+        directory.rmdir()  # empty, checked before writing
+    os.rename(tmp, directory)
+
+
+def write_config(directory: Path, config: dict) -> None:
+    (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def copy_tokenizer(source: str | os.PathLike | None, directory: Path) -> None:
+    if source is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(source) / name).is_file():
+                shutil.copy2(Path(source) / name, directory / name)
 
 
 def _default_permissions(folder: Path) -> None:
@@ -179,9 +205,8 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) 
     model.load_state_dict(tensors, strict=False)
 
 
-def load(directory: str | os.PathLike, model: nn.Module | None = None, progress: bool = True) -> nn.Module:
-    """Load a checkpoint written by save(). Pass `model` (a dense skeleton) for non-HF models."""
-    directory = Path(directory)
+def read_moe_config(directory: Path) -> tuple[dict, dict]:
+    """config.json of a moecompile checkpoint and its validated `moe` section."""
     if not directory.is_dir():
         raise MoECompileError(f"no such checkpoint directory: {directory}")
     config = _read_config(directory)
@@ -190,6 +215,18 @@ def load(directory: str | os.PathLike, model: nn.Module | None = None, progress:
         raise MoECompileError(f"{directory} is not a moecompile checkpoint: config.json has no moe section")
     if moe.get("format_version") != layout.FORMAT_VERSION:
         raise MoECompileError(f"{directory}: unsupported moe format_version {moe.get('format_version')!r}")
+    return config, moe
+
+
+def load(directory: str | os.PathLike, model: nn.Module | None = None, progress: bool = True) -> nn.Module:
+    """Load a checkpoint written by save(). Pass `model` (a dense skeleton) for non-HF models."""
+    directory = Path(directory)
+    config, moe = read_moe_config(directory)
+    if "expert_parallel" in moe:
+        world = moe["expert_parallel"].get("world_size")
+        raise MoECompileError(f"{directory} holds experts sharded over {world} ranks: load it with "
+                              f"moecompile.distributed.load on {world} ranks, or merge it first with "
+                              f"`moecompile checkpoint gather {directory} OUT`")
     tensors = read_tensors(weight_files(directory), progress)
     if model is None:
         model = build_skeleton(config, directory)

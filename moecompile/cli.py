@@ -1,4 +1,4 @@
-"""Command line: `moecompile convert`, `moecompile inspect` and `moecompile export-onnx`.
+"""Command line: `moecompile convert`, `inspect`, `export-onnx` and `checkpoint gather|scatter`.
 
 Errors in the user's input print one line `moecompile: error: ...` and exit with code 2.
 """
@@ -67,6 +67,18 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--no-verify", action="store_true", help="skip the onnxruntime-vs-torch check at two sizes")
     o.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     o.add_argument("--no-progress", action="store_true")
+
+    k = sub.add_parser("checkpoint", help="move a checkpoint between one folder and W expert-parallel shards")
+    ks = k.add_subparsers(dest="action", required=True)
+    s = ks.add_parser("scatter", help="split a checkpoint's experts into one file per rank for --world-size ranks")
+    s.add_argument("source", help="a checkpoint folder written by `convert` or moecompile.save")
+    s.add_argument("out", help="output folder (must not exist or be empty)")
+    s.add_argument("--world-size", type=int, required=True, help="ranks the experts are sharded over")
+    s.add_argument("--no-progress", action="store_true")
+    g = ks.add_parser("gather", help="merge an expert-parallel checkpoint into one checkpoint folder")
+    g.add_argument("source", help="a folder written by `checkpoint scatter` or moecompile.distributed.save")
+    g.add_argument("out", help="output folder (must not exist or be empty)")
+    g.add_argument("--no-progress", action="store_true")
     return p
 
 
@@ -264,6 +276,18 @@ def export_onnx_cmd(a) -> int:
     return 0
 
 
+def checkpoint_cmd(a) -> int:
+    from . import ep_checkpoint
+
+    if a.action == "scatter":
+        out = ep_checkpoint.scatter(a.source, a.out, a.world_size, progress=not a.no_progress)
+        print(f"scattered {a.source} into {a.world_size} expert shards: {out}")
+    else:
+        out = ep_checkpoint.gather(a.source, a.out, progress=not a.no_progress)
+        print(f"gathered {a.source} into one checkpoint: {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(format="moecompile: %(levelname)s: %(message)s", level=logging.WARNING)
@@ -271,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
 
         transformers.logging.set_verbosity_error()
-        return {"convert": convert, "inspect": inspect_cmd, "export-onnx": export_onnx_cmd}[args.command](args)
+        commands = {"convert": convert, "inspect": inspect_cmd, "export-onnx": export_onnx_cmd,
+                    "checkpoint": checkpoint_cmd}
+        return commands[args.command](args)
     except MoECompileError as e:
         print(f"moecompile: error: {e}", file=sys.stderr)
         return 2

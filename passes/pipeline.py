@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from .find_ffn import find_ffn
 from .fuse_route_dispatch import fuse_route_dispatch
+from .insert_all_to_all import insert_all_to_all
 from .moeize import moeize
 from .nodes import value
 from .recognise_moe import recognise_moe
@@ -24,9 +25,10 @@ from .set_capacity import set_capacity
 
 PIPELINES = {
     # dense -> MoE on graphs captured by torch.export (moecompile.moeize's graph view)
-    "convert": [find_ffn, moeize],
+    # insert_all_to_all is a no-op unless options["expert_parallel"] asks for expert parallelism
+    "convert": [find_ffn, moeize, insert_all_to_all],
     # Dynamo graphs in the torch.compile backend: existing MoE blocks -> moecompile ops, then their optimisation.
-    # insert_fp8 and insert_all_to_all join here as they land.
+    # insert_fp8 joins here as it lands.
     "compile": [recognise_moe, set_capacity, fuse_route_dispatch],
 }
 PIPELINE = PIPELINES["convert"]

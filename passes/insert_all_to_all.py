@@ -1,0 +1,64 @@
+"""insert_all_to_all (graph view of expert parallelism): each moecompile::experts node becomes
+    exchange_counts -> all_to_all_single -> wait_tensor -> [dispatch by local expert] -> experts on the local
+    weights -> [un-permute] -> all_to_all_single back -> wait_tensor -> pad the dropped rows
+with torch's c10d functional collectives as graph nodes, traced from the same function the module view runs
+(moecompile.distributed.expert_parallel_experts). The expert weights of a get_attr node are replaced in the module
+by this rank's slice (the other ranks' experts leave memory); weights that enter as graph inputs are narrowed by a
+node instead. A no-op unless ctx.options["expert_parallel"] is set: {"group": ProcessGroup or None (the world),
+"overlap_degree": int (1)}.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+from moecompile import distributed
+from moecompile.passes.moeize import _inline
+
+EXPERTS = torch.ops.moecompile.experts.default
+WEIGHTS = dict(zip(("w_in", "b_in", "w_out", "b_out"), (2, 3, 4, 5)))  # argument positions of experts()
+
+
+def _num_experts(gm: fx.GraphModule, node: fx.Node) -> int:
+    if node.op == "get_attr":
+        return gm.get_parameter(node.target).shape[0]
+    return node.meta["val"].shape[0]
+
+
+def _local_weight(gm: fx.GraphModule, node: fx.Node | None, first: int, local: int) -> fx.Node | None:
+    if node is None:
+        return None
+    if node.op == "get_attr":
+        owner, _, name = node.target.rpartition(".")
+        module = gm.get_submodule(owner) if owner else gm
+        full = getattr(module, name)
+        local_weight = full.detach()[first:first + local].clone()
+        setattr(module, name, nn.Parameter(local_weight, requires_grad=full.requires_grad))
+        return node
+    return gm.graph.call_method("narrow", (node, 0, first, local))
+
+
+def insert_all_to_all(gm: fx.GraphModule, ctx) -> dict:
+    """Pass: shard every experts node over the ranks of ctx.options["expert_parallel"]["group"]."""
+    options = ctx.options.get("expert_parallel")
+    if not options:
+        return {"rewritten": []}
+    group = distributed._group(options.get("group"))
+    degree = options.get("overlap_degree", 1)
+    world = torch.distributed.get_world_size(group)
+    rank = torch.distributed.get_rank(group)
+    rewritten = []
+    for n, node in enumerate([n for n in gm.graph.nodes if n.op == "call_function" and n.target is EXPERTS]):
+        rows, offsets, w_in, b_in, w_out, b_out, activation, gated = node.args
+        experts = _num_experts(gm, w_in)
+        local = distributed.local_experts(experts, world)
+        sub = distributed.trace_expert_parallel(activation, gated, group.group_name, world, local, degree)
+        with gm.graph.inserting_before(node):
+            weights = [_local_weight(gm, w, rank * local, local) for w in (w_in, b_in, w_out, b_out)]
+            out = _inline(gm, sub, f"ep{n}", [rows, offsets, *weights])
+        out.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        rewritten.append(f"{node.name}: experts {rank * local}..{rank * local + local - 1} of {experts} on rank "
+                         f"{rank}/{world}, overlap degree {degree}")
+    return {"rewritten": rewritten}

@@ -1,0 +1,468 @@
+"""Expert parallelism on CPU with gloo, 2 and 4 processes: outputs and gradients against the single-process model.
+
+Every spawned run does many checks in one go (starting processes costs ~10 s each on 2 cores): each rank computes
+the single-process reference itself, records the error of every check (or the message of an expected error) in a
+JSON file, and the tests below assert on them. Errors are relative to the reference's largest magnitude (>= 1).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import moecompile
+from moecompile import MoEBlock, MoECompileError, MoEConfig, ep_checkpoint
+from moecompile import distributed as ep
+from moecompile.cli import main as cli_main
+
+TOL = 1e-5
+H, F = 8, 6
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    if a.numel() == 0:
+        return 0.0
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item()
+
+
+def _expect_error(fn) -> str:
+    try:
+        fn()
+    except MoECompileError as e:
+        return str(e)
+    return "no error"
+
+
+def _spawn(worker, world: int, tmp: Path) -> list[dict]:
+    mp.spawn(worker, args=(world, _port(), str(tmp)), nprocs=world)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _init(rank, world, port, timeout=60):
+    torch.set_num_threads(1)
+    ep.init(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout)
+
+
+# ---- one MoEBlock: uneven loads, an expert with no tokens, a rank with no tokens, drops, overlap -----------------
+
+def _skewed_block(config: MoEConfig, seed: int) -> MoEBlock:
+    """Random weights (biases too). Inputs carry a constant feature 1 (_inputs): through it the last expert's
+    router logit is -10, so it is never chosen (top_k < E), and expert 0's is raised by 1: uneven loads."""
+    torch.manual_seed(seed)
+    block = MoEBlock(config).train()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.5)
+        block.router.weight[-1] = 0.0
+        block.router.weight[-1, 0] = -10.0
+        block.router.weight[0, 0] += 1.0
+    return block
+
+
+def _inputs(tokens: list[int], gen: torch.Generator) -> list[torch.Tensor]:
+    xs = [torch.randn(n, H, generator=gen) for n in tokens]
+    for x in xs:
+        x[:, 0] = 1.0
+    return xs
+
+
+def _block_checks(rank, world, name, config, tokens, degrees, seed, out):
+    ref = _skewed_block(config, seed)
+    block = ep.distribute(copy.deepcopy(ref))
+    gen = torch.Generator().manual_seed(seed + 1)
+    xs = _inputs(tokens, gen)
+    gs = [torch.randn(n, H, generator=gen) for n in tokens]
+    # reference: the unsharded block on each rank's tokens, loss summed over ranks
+    ref_x = [x.clone().requires_grad_() for x in xs]
+    total = 0.0
+    ys = []
+    for x, g in zip(ref_x, gs):
+        ref.aux_loss = None
+        y = ref(x)
+        ys.append(y)
+        total = total + (y * g).sum() + (ref.aux_loss if ref.aux_loss is not None else 0.0)
+    total.backward()
+    with torch.no_grad():  # what the routing did: assignments per expert (before capacity), dropped ones
+        _, ids = moecompile.ops.route(torch.cat(xs) @ ref.router.weight.t(), config.top_k, 0.0, True)
+        out[f"{name}/tokens_per_expert"] = torch.bincount(ids.flatten(), minlength=config.num_experts).tolist()
+        out[f"{name}/dropped"] = sum(
+            int((moecompile.ops.route(x @ ref.router.weight.t(), config.top_k, config.capacity_factor, True)[1]
+                 == config.num_experts).sum()) for x in xs)
+    out[f"{name}/tokens_per_rank"] = list(tokens)
+    local = config.num_experts // world
+    lo, hi = rank * local, (rank + 1) * local
+    for degree in degrees:
+        block.overlap_degree = degree
+        block.zero_grad(set_to_none=True)
+        block.aux_loss = None
+        x = xs[rank].clone().requires_grad_()
+        y = block(x)
+        loss = (y * gs[rank]).sum() + (block.aux_loss if block.aux_loss is not None else 0.0)
+        loss.backward()
+        ep.all_reduce_gradients(block, average=False)
+        key = f"{name}/d{degree}"
+        out[f"{key}/out"] = _err(y.detach(), ys[rank].detach())
+        out[f"{key}/grad_x"] = _err(x.grad, ref_x[rank].grad)
+        for pname in ep.EXPERT_TENSORS:
+            p = getattr(block.experts, pname)
+            if p is not None:
+                out[f"{key}/grad_{pname}"] = _err(p.grad, getattr(ref.experts, pname).grad[lo:hi])
+        out[f"{key}/grad_router"] = _err(block.router.weight.grad, ref.router.weight.grad)
+        if block.bias is not None:
+            out[f"{key}/grad_bias"] = _err(block.bias.grad, ref.bias.grad)
+        out[f"{key}/local_shape"] = list(block.experts.w_in.shape)
+
+
+def _tiny_gpt2_dense(seed=0):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = tf.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=32, bos_token_id=0,
+                           eos_token_id=0, initializer_range=0.2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return tf.GPT2LMHeadModel(config).float().eval()
+
+
+def _tiny_gpt2():
+    return moecompile.moeize(_tiny_gpt2_dense(), experts=4, top_k=2, capacity_factor=0.0, noise=0.5, progress=False)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def _model_checks(rank, world, tmp: Path, out):
+    """A converted GPT-2: training gradients after all_reduce_gradients, checkpoints, wrong world size."""
+    ref = _tiny_gpt2().train()
+    model = moecompile.distribute(copy.deepcopy(ref))
+    ids = [torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    losses = []
+    for r in range(world):
+        losses.append(ref(input_ids=ids[r], labels=ids[r], use_cache=False).loss + moecompile.aux_loss(ref))
+    (torch.stack(losses).mean()).backward()
+    loss = model(input_ids=ids[rank], labels=ids[rank], use_cache=False).loss + moecompile.aux_loss(model)
+    out["model/loss"] = _err(loss.detach(), losses[rank].detach())
+    loss.backward()
+    ep.all_reduce_gradients(model)  # averaged: the gradient of the mean of the ranks' losses
+    experts = {id(p) for p in ep.expert_parameters(model)}
+    ref_params = dict(ref.named_parameters())
+    worst_dense, worst_expert = 0.0, 0.0
+    for name, p in model.named_parameters():
+        g = ref_params[name].grad
+        if id(p) in experts:
+            local = p.shape[0]
+            worst_expert = max(worst_expert, _err(p.grad, g[rank * local:(rank + 1) * local]))
+        else:
+            worst_dense = max(worst_dense, _err(p.grad, g))
+    out["model/grad_dense"] = worst_dense
+    out["model/grad_expert"] = worst_expert
+    out["model/expert_params"] = len(experts)
+    ref.eval()
+    model.eval()
+    # checkpoints: save from every rank, load back; gather into one folder, which moecompile.load reads
+    ck, whole, ck4 = tmp / "ck", tmp / "whole", tmp / "ck4"
+    ep.save(model, ck)
+    out["ckpt/files"] = sorted(p.name for p in ck.iterdir())
+    loaded = ep.load(ck)
+    out["ckpt/load_out"] = _err(_logits(loaded, ids[rank]), _logits(ref, ids[rank]))
+    out["ckpt/save_twice"] = _expect_error(lambda: ep.save(model, ck))
+    out["ckpt/whole_save"] = _expect_error(lambda: moecompile.save(model, tmp / "never"))
+    if rank == 0:
+        ep_checkpoint.gather(ck, whole, progress=False)
+        ep_checkpoint.scatter(whole, ck4, 4, progress=False)
+    dist.barrier()
+    out["ckpt/gathered_out"] = _err(_logits(moecompile.load(whole, progress=False), ids[rank]),
+                                    _logits(ref, ids[rank]))
+    out["ckpt/whole_into_ep"] = _err(_logits(ep.load(whole), ids[rank]), _logits(ref, ids[rank]))
+    out["ckpt/world_mismatch"] = _expect_error(lambda: ep.load(ck4))
+    out["ckpt/leftovers"] = sorted(p.name for p in tmp.iterdir() if p.name.startswith("."))
+
+
+def _graph_checks(rank, world, out, degree):
+    """The graph view: insert_all_to_all on a captured, moeized GPT-2 against the single-process graph."""
+    from moecompile.frontend import capture
+    from moecompile.passes.pipeline import run_pipeline
+
+    model = _tiny_gpt2_dense()
+    options = {"experts": 4, "top_k": 2, "capacity_factor": 0.0, "noise": 0.5}
+    single, _ = run_pipeline(capture(model), options)
+    gm, ctx = run_pipeline(capture(model), {**options, "expert_parallel": {"overlap_degree": degree}})
+    ids = [torch.randint(0, 50, (1, 8), generator=torch.Generator().manual_seed(20 + r)) for r in range(world)]
+    with torch.no_grad():
+        out[f"graph/d{degree}/out"] = _err(gm(ids[rank], use_cache=False)[0], single(ids[rank], use_cache=False)[0])
+    # autograd through the graph's collectives: an expert's gradient sums every rank's tokens
+    sum(single(i, use_cache=False)[0].square().sum() for i in ids).backward()
+    gm(ids[rank], use_cache=False)[0].square().sum().backward()
+    local = 4 // world
+    out[f"graph/d{degree}/grad_w_in"] = _err(gm.get_parameter("moe0.experts.w_in").grad,
+                                             single.get_parameter("moe0.experts.w_in").grad[rank * local:][:local])
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    out[f"graph/d{degree}/collectives"] = [targets.count("_c10d_functional.all_to_all_single.default"),
+                                           targets.count("_c10d_functional.wait_tensor.default")]
+    out[f"graph/d{degree}/report"] = dict(ctx.reports)["insert_all_to_all"]["rewritten"]
+    out[f"graph/d{degree}/w_in"] = list(gm.get_parameter("moe0.experts.w_in").shape)
+
+
+def _worker2(rank, world, port, tmp):
+    _init(rank, world, port)
+    tmp, out = Path(tmp), {}
+    gelu = MoEConfig(hidden_size=H, expert_size=F, num_experts=4, top_k=2, capacity_factor=0.0, bias_in=True,
+                     bias_out="expert")
+    _block_checks(rank, world, "uneven", gelu, [11, 0], (1, 3), 1, out)  # rank 1 has no tokens
+    gated = MoEConfig(hidden_size=H, expert_size=F, num_experts=2, top_k=1, capacity_factor=0.5, gated=True,
+                      activation="silu", bias_out="shared")
+    _block_checks(rank, world, "capacity", gated, [9, 5], (1, 2), 2, out)  # drops, one expert per rank
+    _model_checks(rank, world, tmp, out)
+    _graph_checks(rank, world, out, degree=2)
+    torch.manual_seed(5)
+    built = ep.ExpertParallelMoEBlock(MoEConfig(H, F, 4, top_k=2))  # constructed sharded
+    torch.manual_seed(5)
+    whole = MoEBlock(MoEConfig(H, F, 4, top_k=2))
+    x = torch.randn(5, H)
+    with torch.no_grad():
+        out["ctor/out"] = _err(built(x), ep.ExpertParallelMoEBlock.from_block(copy.deepcopy(whole))(x))
+    out["ctor/shape"] = list(built.experts.w_in.shape)
+    out["errors/not_divisible"] = _expect_error(lambda: ep.distribute(MoEBlock(MoEConfig(H, F, 3, top_k=1))))
+    out["errors/fewer_experts"] = _expect_error(lambda: ep.distribute(MoEBlock(MoEConfig(H, F, 1, top_k=1))))
+    # a peer that does not take part: a group with a 2 s timeout, rank 1 sits out; rank 0 must fail, not hang
+    short = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    block = ep.distribute(MoEBlock(MoEConfig(H, F, 2, top_k=1)), group=short)
+    if rank == 0:
+        start = time.perf_counter()
+        out["errors/hung_peer"] = _expect_error(lambda: block(torch.randn(3, H)))
+        out["errors/hung_peer_s"] = time.perf_counter() - start
+    else:
+        time.sleep(4)
+    dist.barrier()
+    (tmp / f"rank{rank}.json").write_text(json.dumps(out))
+    # a peer that exits: rank 1 leaves, rank 0's next all-to-all fails at once
+    if rank == 0:
+        block = ep.distribute(MoEBlock(MoEConfig(H, F, 2, top_k=1)))
+        time.sleep(1)
+        start = time.perf_counter()
+        out["errors/exited_peer"] = _expect_error(lambda: block(torch.randn(3, H)))
+        out["errors/exited_peer_s"] = time.perf_counter() - start
+        (tmp / f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def _worker4(rank, world, port, tmp):
+    _init(rank, world, port)
+    out = {}
+    two_local = MoEConfig(hidden_size=H, expert_size=F, num_experts=8, top_k=3, capacity_factor=0.0, bias_in=True,
+                          bias_out="expert")
+    _block_checks(rank, world, "e8", two_local, [6, 0, 13, 3], (1, 2), 3, out)
+    one_local = MoEConfig(hidden_size=H, expert_size=F, num_experts=4, top_k=2, capacity_factor=0.75, gated=True,
+                          activation="gelu")
+    _block_checks(rank, world, "e4", one_local, [5, 8, 1, 0], (1, 3), 4, out)
+    dist.barrier()
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _spawn(_worker2, 2, tmp_path_factory.mktemp("ep2"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return _spawn(_worker4, 4, tmp_path_factory.mktemp("ep4"))
+
+
+def _errors(results: list[dict], prefix: str) -> dict[str, float]:
+    return {f"rank{r}:{k}": v for r, res in enumerate(results) for k, v in res.items()
+            if k.startswith(prefix) and isinstance(v, float)}
+
+
+def _assert_close(results, prefix):
+    errors = _errors(results, prefix)
+    assert errors, f"no results for {prefix}"
+    bad = {k: v for k, v in errors.items() if not v <= TOL}
+    assert not bad, bad
+
+
+# ---- 2 processes
+
+def test_uneven_loads_empty_expert_and_empty_rank(two_ranks):
+    res = two_ranks[0]
+    assert res["uneven/tokens_per_expert"][-1] == 0  # the last expert receives no tokens
+    counts = res["uneven/tokens_per_expert"]
+    assert min(counts[:-1]) > 0 and sum(counts[:2]) > 1.5 * sum(counts[2:]), counts  # rank 0's experts: most rows
+    assert res["uneven/tokens_per_rank"][1] == 0  # rank 1 has no tokens
+    assert res["uneven/d1/local_shape"] == [2, F, H]  # E/W = 2 experts per rank
+    _assert_close(two_ranks, "uneven/d1/")
+
+
+def test_overlap_degree_gives_the_same_result(two_ranks):
+    _assert_close(two_ranks, "uneven/d3/")
+    _assert_close(two_ranks, "capacity/d2/")
+
+
+def test_capacity_drops_and_one_expert_per_rank(two_ranks):
+    res = two_ranks[0]
+    assert res["capacity/dropped"] > 0  # capacity 0.5 drops assignments
+    assert res["capacity/d1/local_shape"] == [1, 2 * F, H]  # gated: gate|up rows
+    _assert_close(two_ranks, "capacity/d1/")
+    assert "capacity/d1/grad_bias" in res and "capacity/d1/grad_b_out" not in res  # shared bias, all-reduced
+
+
+def test_model_gradients_after_all_reduce(two_ranks):
+    assert two_ranks[0]["model/expert_params"] == 8  # w_in, b_in, w_out, b_out of 2 blocks
+    _assert_close(two_ranks, "model/")
+
+
+def test_checkpoint_save_load_gather_and_world_size_mismatch(two_ranks):
+    assert "exists and is not empty" in two_ranks[0]["ckpt/save_twice"]  # rank 0 checks the folder
+    assert "failed on rank(s) 0" in two_ranks[1]["ckpt/save_twice"]  # and the others learn it failed
+    for res in two_ranks:
+        assert res["ckpt/files"] == ["config.json", "dense.safetensors", "experts-00000-of-00002.safetensors",
+                                     "experts-00001-of-00002.safetensors"]
+        assert "moecompile.distributed.save" in res["ckpt/whole_save"]
+        assert "saved by 4 ranks but this group has 2" in res["ckpt/world_mismatch"]
+        assert "checkpoint gather" in res["ckpt/world_mismatch"]
+    assert two_ranks[0]["ckpt/leftovers"] == []  # no temporary folder left
+    _assert_close(two_ranks, "ckpt/")
+
+
+def test_graph_pass_matches_single_process_graph(two_ranks):
+    for rank, res in enumerate(two_ranks):
+        # 2 blocks x 2 chunks x (there and back)
+        assert res["graph/d2/collectives"] == [8, 8]
+        assert res["graph/d2/w_in"][0] == 2
+        assert len(res["graph/d2/report"]) == 2 and f"rank {rank}/2" in res["graph/d2/report"][0]
+    _assert_close(two_ranks, "graph/")
+
+
+def test_block_constructed_sharded(two_ranks):
+    assert two_ranks[0]["ctor/shape"] == [2, F, H]
+    _assert_close(two_ranks, "ctor/")
+
+
+def test_bad_expert_counts_are_clear_errors(two_ranks):
+    res = two_ranks[0]
+    assert "3 experts over 2 ranks" in res["errors/not_divisible"]
+    assert "fewer experts than ranks" in res["errors/fewer_experts"]
+
+
+def test_unreachable_peer_fails_within_the_timeout(two_ranks):
+    res = two_ranks[0]
+    assert "peer is unreachable" in res["errors/hung_peer"], res["errors/hung_peer"]
+    assert res["errors/hung_peer_s"] < 10
+    assert "peer is unreachable" in res["errors/exited_peer"], res["errors/exited_peer"]
+    assert res["errors/exited_peer_s"] < 10
+
+
+# ---- 4 processes
+
+def test_four_ranks(four_ranks):
+    res = four_ranks[0]
+    assert res["e8/tokens_per_expert"][-1] == 0 and res["e8/tokens_per_rank"][1] == 0
+    assert res["e8/d1/local_shape"][0] == 2 and res["e4/d1/local_shape"][0] == 1
+    _assert_close(four_ranks, "e8/")
+    _assert_close(four_ranks, "e4/")
+
+
+# ---- single process
+
+def test_init_fails_clearly_when_peers_never_arrive():
+    start = time.perf_counter()
+    with pytest.raises(MoECompileError, match="could not form the process group of 2 ranks within 2 s"):
+        ep.init(init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=2, timeout=2)
+    assert time.perf_counter() - start < 15
+    assert not dist.is_initialized()
+
+
+def test_distribute_needs_a_process_group():
+    with pytest.raises(MoECompileError, match="not initialized"):
+        ep.distribute(MoEBlock(MoEConfig(H, F, 2, top_k=1)))
+
+
+@pytest.fixture(scope="module")
+def whole_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("whole") / "ck"
+    moecompile.save(_tiny_gpt2(), path, progress=False)
+    return path
+
+
+def _state(directory: Path) -> dict:
+    from moecompile import checkpoint
+
+    return checkpoint.read_tensors(checkpoint.weight_files(directory), progress=False)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gather_of_scatter_is_the_checkpoint(whole_checkpoint, tmp_path, world):
+    ep_checkpoint.scatter(whole_checkpoint, tmp_path / "ep", world, progress=False)
+    ep_checkpoint.gather(tmp_path / "ep", tmp_path / "back", progress=False)
+    shard = ep_checkpoint.read_rank(tmp_path / "ep", world - 1, world)
+    assert shard["transformer.h.0.mlp.experts.w_in"].shape[0] == 4 // world
+    before, after = _state(whole_checkpoint), _state(tmp_path / "back")
+    assert before.keys() == after.keys()
+    for k in before:
+        assert before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]), k
+    config = json.loads((whole_checkpoint / "config.json").read_text())
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == config
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(_logits(moecompile.load(tmp_path / "back", progress=False), ids),
+                               _logits(moecompile.load(whole_checkpoint, progress=False), ids), rtol=0, atol=0)
+
+
+def test_checkpoint_cli_and_bad_input(whole_checkpoint, tmp_path, capsys):
+    ep_dir, back = tmp_path / "ep", tmp_path / "back"
+    assert cli_main(["checkpoint", "scatter", str(whole_checkpoint), str(ep_dir), "--world-size", "2",
+                     "--no-progress"]) == 0
+    assert cli_main(["checkpoint", "gather", str(ep_dir), str(back), "--no-progress"]) == 0
+    assert "gathered" in capsys.readouterr().out
+    cases = [
+        (["scatter", str(whole_checkpoint), str(tmp_path / "x"), "--world-size", "3"], "4 experts over 3 ranks"),
+        (["scatter", str(ep_dir), str(tmp_path / "x"), "--world-size", "2"], "already sharded"),
+        (["gather", str(whole_checkpoint), str(tmp_path / "x")], "not an expert-parallel checkpoint"),
+        (["gather", str(ep_dir), str(back)], "exists and is not empty"),
+    ]
+    for argv, message in cases:
+        assert cli_main(["checkpoint", *argv, "--no-progress"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("moecompile: error: ") and message in err and err.count("\n") == 1, err
+        assert not (tmp_path / "x").exists()
+    with pytest.raises(MoECompileError, match="sharded over 2 ranks"):
+        moecompile.load(ep_dir, progress=False)
+    (ep_dir / "experts-00001-of-00002.safetensors").write_bytes(b"garbage")
+    with pytest.raises(MoECompileError, match="corrupt"):
+        ep_checkpoint.gather(ep_dir, tmp_path / "y", progress=False)
+    assert not (tmp_path / "y").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# ---- the example, under torchrun
+
+def test_ep_train_example_under_torchrun(tmp_path):
+    save = tmp_path / "ep"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "-m", "moecompile.examples.ep_train", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
+           "--overlap-degree", "2", "--save", str(save)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "ranks: 2 (gloo)" in proc.stdout and "(2 per rank)" in proc.stdout, proc.stdout
+    losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0], proc.stdout
+    ep_checkpoint.gather(save, tmp_path / "whole", progress=False)
+    assert len(moecompile.load(tmp_path / "whole", progress=False).moe_layout) == 2
