@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_moe import ACTIVATION_IDS, _activation
+from .triton_moe import ACTIVATION_IDS, _activation, _expert_tile
 
 FP8_MAX = 448.0
 GROUP = 128
@@ -70,29 +70,10 @@ def _grouped_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, offset
                         GROUP_M: tl.constexpr):
     BLOCK_N: tl.constexpr = 128
     BLOCK_K: tl.constexpr = 128
-    # expert tile table, as in triton_moe._grouped_ffn_in_kernel
-    e_idx = tl.arange(0, E_PAD)
-    valid = e_idx < num_experts
-    ends = tl.load(offsets_ptr + e_idx, mask=valid, other=0)
-    begins = tl.load(offsets_ptr + e_idx - 1, mask=valid & (e_idx > 0), other=0)
-    tile_ends = tl.cumsum((ends - begins + BLOCK_M - 1) // BLOCK_M, axis=0)
-    total_tiles = tl.max(tl.where(valid, tile_ends, 0), axis=0)
-    tile_ends = tl.where(valid, tile_ends, 2147483647)
-    pid = tl.program_id(0)
-    max_tiles_m = tl.cdiv(n_rows, BLOCK_M) + num_experts
+    live, expert, rows, rmask, pid_n = _expert_tile(offsets_ptr, n_rows, num_experts, width, E_PAD, BLOCK_M,
+                                                    BLOCK_N, GROUP_M)
     tiles_n: tl.constexpr = (width + BLOCK_N - 1) // BLOCK_N
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    group_size = tl.minimum(max_tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
-    pid_n = (pid % (GROUP_M * tiles_n)) // group_size
-    if pid_m < total_tiles:
-        expert = tl.sum((tile_ends <= pid_m).to(tl.int32), axis=0)
-        tile_start = tl.sum(tl.where(e_idx == expert - 1, tile_ends, 0), axis=0)
-        row_begin = tl.sum(tl.where(e_idx == expert, begins, 0), axis=0)
-        row_end = tl.sum(tl.where(e_idx == expert, ends, 0), axis=0)
-        rows = row_begin + (pid_m - tile_start) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end
+    if live:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < width
         in_width: tl.constexpr = 2 * width if GATED else width

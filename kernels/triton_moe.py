@@ -232,13 +232,12 @@ def _ffn_in_configs():
 
 
 @triton.jit
-def _grouped_ffn_in_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows, num_experts, rows_bucket,
-                           hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                           ACT: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """out[r] = act(x[r] W_in[e]^T + b_in[e]) for the rows r of each expert e's group (gated: act(gate) * up).
-    M tiles never straddle two experts; the tile table is rebuilt from offsets in every program (E values), so
-    no host-side schedule is needed and the launch stays capturable."""
+def _expert_tile(offsets_ptr, n_rows, num_experts, width: tl.constexpr, E_PAD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile of a grouped GEMM over rows in expert order: (live, expert, rows, row mask,
+    n-block). M tiles never straddle two experts; the tile table is rebuilt from offsets in every program (E
+    values), so no host-side schedule is needed and the launch stays capturable. Programs past the last tile
+    (the grid is sized for the worst case, cdiv(rows, BLOCK_M) + E) are not live."""
     e_idx = tl.arange(0, E_PAD)
     valid = e_idx < num_experts
     ends = tl.load(offsets_ptr + e_idx, mask=valid, other=0)
@@ -246,7 +245,6 @@ def _grouped_ffn_in_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows,
     tile_ends = tl.cumsum((ends - begins + BLOCK_M - 1) // BLOCK_M, axis=0)
     total_tiles = tl.max(tl.where(valid, tile_ends, 0), axis=0)
     tile_ends = tl.where(valid, tile_ends, 2147483647)
-
     pid = tl.program_id(0)
     max_tiles_m = tl.cdiv(n_rows, BLOCK_M) + num_experts
     tiles_n: tl.constexpr = (width + BLOCK_N - 1) // BLOCK_N
@@ -255,13 +253,24 @@ def _grouped_ffn_in_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows,
     group_size = tl.minimum(max_tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
     pid_n = (pid % (GROUP_M * tiles_n)) // group_size
-    if pid_m < total_tiles:
-        expert = tl.sum((tile_ends <= pid_m).to(tl.int32), axis=0)
-        tile_start = tl.sum(tl.where(e_idx == expert - 1, tile_ends, 0), axis=0)
-        row_begin = tl.sum(tl.where(e_idx == expert, begins, 0), axis=0)
-        row_end = tl.sum(tl.where(e_idx == expert, ends, 0), axis=0)
-        rows = row_begin + (pid_m - tile_start) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end
+    expert = tl.sum((tile_ends <= pid_m).to(tl.int32), axis=0)
+    tile_start = tl.sum(tl.where(e_idx == expert - 1, tile_ends, 0), axis=0)
+    row_begin = tl.sum(tl.where(e_idx == expert, begins, 0), axis=0)
+    row_end = tl.sum(tl.where(e_idx == expert, ends, 0), axis=0)
+    rows = row_begin + (pid_m - tile_start) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return pid_m < total_tiles, expert, rows, rows < row_end, pid_n
+
+
+@triton.jit
+def _grouped_ffn_in_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows, num_experts, rows_bucket,
+                           hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                           ACT: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """out[r] = act(x[r] W_in[e]^T + b_in[e]) for the rows r of each expert e's group (gated: act(gate) * up).
+    Tiles as _expert_tile says."""
+    live, expert, rows, rmask, pid_n = _expert_tile(offsets_ptr, n_rows, num_experts, width, E_PAD, BLOCK_M,
+                                                    BLOCK_N, GROUP_M)
+    if live:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < width
         in_width: tl.constexpr = 2 * width if GATED else width
