@@ -11,6 +11,9 @@ from .checkpoint import load, save
 from .config import MoEConfig
 from .convert import moeize
 from .errors import MoECompileError
+from .fp8 import MoEExpertsFP8
+from .fp8 import quantize as quantize_fp8
 
-__all__ = ["MoEBlock", "MoEExperts", "MoEConfig", "MoECompileError", "aux_loss", "load", "moeize", "ops", "save"]
+__all__ = ["MoEBlock", "MoEExperts", "MoEExpertsFP8", "MoEConfig", "MoECompileError", "aux_loss", "load", "moeize",
+           "ops", "quantize_fp8", "save"]
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ that are corrupt or do not fit the config.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -49,47 +50,62 @@ def is_checkpoint(directory: str | os.PathLike) -> bool:
     return isinstance(config, dict) and "moe" in config
 
 
+@contextlib.contextmanager
+def atomic_output(directory: Path):
+    """Yield a temporary sibling folder to write into; when the block succeeds it is renamed to `directory` (absent
+    or empty, see check_output_dir), otherwise removed: no half-written output is ever left behind."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
+    try:
+        yield tmp
+        _default_permissions(tmp)
+        if directory.exists():
+            directory.rmdir()  # empty, checked by check_output_dir
+        os.rename(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def save(model: nn.Module, directory: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None,
          max_shard_size: str | int = DEFAULT_SHARD_SIZE, progress: bool = True) -> Path:
     """Write model (converted by moeize) to directory, atomically."""
     directory = check_output_dir(directory)
     blocks = layout.get_layout(model)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
-    try:
-        with tqdm(total=3, desc="save", unit="step", disable=not progress) as bar:
-            if hasattr(model, "save_pretrained"):  # HF: config, tied weights, sharding and index
-                from transformers.utils import logging as hf_logging
+    with atomic_output(directory) as tmp, tqdm(total=3, desc="save", unit="step", disable=not progress) as bar:
+        if hasattr(model, "save_pretrained"):  # HF: config, tied weights, sharding and index
+            from transformers.utils import logging as hf_logging
 
-                bars = hf_logging.is_progress_bar_enabled()
-                if not progress:  # transformers' own "Writing model shards" bar
-                    hf_logging.disable_progress_bar()
-                try:
-                    model.save_pretrained(tmp, max_shard_size=max_shard_size)
-                finally:
-                    if bars and not progress:
-                        hf_logging.enable_progress_bar()
-                config = json.loads((tmp / CONFIG).read_text())
-            else:
-                save_model(model, str(tmp / WEIGHTS))
-                config = {}
-            bar.update()
-            config["moe"] = {"format_version": layout.FORMAT_VERSION, "blocks": blocks}
-            (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            bar.update()
-            if tokenizer_dir is not None:
-                for name in TOKENIZER_FILES:
-                    if (Path(tokenizer_dir) / name).is_file():
-                        shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
-            bar.update()
-        _default_permissions(tmp)
-        if directory.exists():
-            directory.rmdir()  # empty, checked above
-        os.rename(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            bars = hf_logging.is_progress_bar_enabled()
+            if not progress:  # transformers' own "Writing model shards" bar
+                hf_logging.disable_progress_bar()
+            try:
+                model.save_pretrained(tmp, max_shard_size=max_shard_size)
+            finally:
+                if bars and not progress:
+                    hf_logging.enable_progress_bar()
+            config = json.loads((tmp / CONFIG).read_text())
+        else:
+            save_model(model, str(tmp / WEIGHTS))
+            config = {}
+        bar.update()
+        config["moe"] = {"format_version": layout.FORMAT_VERSION, "blocks": blocks}
+        if any("fp8" in b for b in blocks):
+            from .fp8 import quantization_config
+
+            config["quantization_config"] = quantization_config(model)
+        write_config(tmp, config)
+        bar.update()
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / name).is_file():
+                    shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
+        bar.update()
     return directory
+
+
+def write_config(directory: Path, config: dict) -> None:
+    (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _default_permissions(folder: Path) -> None:
@@ -101,7 +117,7 @@ def _default_permissions(folder: Path) -> None:
         os.chmod(f, 0o666 & ~umask)
 
 
-def _read_config(directory: Path) -> dict:
+def read_config(directory: Path) -> dict:
     path = directory / CONFIG
     if not path.is_file():
         raise MoECompileError(f"{directory} is not a checkpoint: no {CONFIG}")
@@ -151,8 +167,9 @@ def build_skeleton(config: dict, directory: Path) -> nn.Module:
         raise MoECompileError(f"{directory}: config.json names no transformers architecture to rebuild the model")
     try:
         hf_config = transformers.AutoConfig.from_pretrained(directory)  # reads config.json only
-        if hasattr(hf_config, "moe"):
-            delattr(hf_config, "moe")
+        for key in ("moe", "quantization_config"):  # ours: the layout rebuilds the blocks, FP8 ones included
+            if hasattr(hf_config, key):
+                delattr(hf_config, key)
         return cls(hf_config)
     except Exception as e:  # noqa: BLE001
         raise MoECompileError(f"{directory}: cannot build {architectures[0]} from config.json: {e}") from None
@@ -168,12 +185,17 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) 
         if tuple(expected[key].shape) != tuple(t.shape):
             raise MoECompileError(f"checkpoint does not match its config: {key} has shape {tuple(t.shape)}, "
                                   f"config implies {tuple(expected[key].shape)}")
+        if torch.float8_e4m3fn in (t.dtype, expected[key].dtype) and t.dtype != expected[key].dtype:
+            raise MoECompileError(f"checkpoint does not match its config: {key} is {t.dtype}, config implies "
+                                  f"{expected[key].dtype}")  # a cast to or from FP8 would ignore the scales
     loaded_ids = {id(expected[k]) for k in tensors}
     missing = [k for k, v in expected.items() if k not in tensors and id(v) not in loaded_ids]
     if missing:
         raise MoECompileError(f"checkpoint does not match its config: {len(missing)} tensors missing, "
                               f"e.g. {missing[0]}")
-    floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    # the model's dtype: that of its float tensors other than FP8 weights and their float32 scales
+    floats = [t.dtype for k, t in tensors.items()
+              if t.is_floating_point() and t.element_size() > 1 and not k.endswith("_scale_inv")]
     if floats:
         model.to(floats[0])
     model.load_state_dict(tensors, strict=False)
@@ -184,7 +206,7 @@ def load(directory: str | os.PathLike, model: nn.Module | None = None, progress:
     directory = Path(directory)
     if not directory.is_dir():
         raise MoECompileError(f"no such checkpoint directory: {directory}")
-    config = _read_config(directory)
+    config = read_config(directory)
     moe = config.get("moe")
     if not isinstance(moe, dict) or not isinstance(moe.get("blocks"), list):
         raise MoECompileError(f"{directory} is not a moecompile checkpoint: config.json has no moe section")

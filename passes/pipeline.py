@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from .find_ffn import find_ffn
+from .insert_fp8 import insert_fp8
 from .moeize import moeize
 
 # dense -> MoE conversion, in order. Later stages (recognise_moe, fuse_route_dispatch, insert_fp8,
 # insert_all_to_all) join this list as they land.
-PIPELINE = [find_ffn, moeize]
+PIPELINE = [find_ffn, moeize, insert_fp8]
 
 
 @dataclass
