@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from . import reference, triton_moe
+from . import reference, triton_fp8, triton_moe
 
 # First projection: "triton" = one Triton grouped GEMM with bias + activation in its epilogue; "grouped_mm" =
 # torch._grouped_mm (CUTLASS) then the Triton activation pass; "auto" picks per shape from the measurements below.
@@ -91,3 +91,23 @@ def combine_backward(grad_out, expert_out, order, weights):
 
 def dispatch_backward(grad_sorted, order, tokens: int, top_k: int):
     return triton_moe.gather_sum(grad_sorted, order, tokens, top_k)
+
+
+def _fp8_gemm_supported(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)  # fp8 tensor cores: Ada, Hopper
+
+
+def quantize_fp8(x, group: int):
+    if not (_fp8_gemm_supported(x) and group == triton_fp8.GROUP and x.shape[1] % group == 0):
+        return reference.quantize_fp8(x, group)
+    return triton_fp8.quantize_rows(x, group)
+
+
+def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
+                activation: str, gated: bool, out_dtype: torch.dtype):
+    args = (x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out, activation,
+            gated, out_dtype)
+    if not (_fp8_gemm_supported(x_fp8) and triton_fp8.supported(x_fp8.shape[1], w_out.shape[2])
+            and activation in triton_moe.ACTIVATION_IDS):
+        return reference.experts_fp8(*args)
+    return triton_fp8.experts_fp8(*args)

@@ -8,6 +8,7 @@ Layout conventions shared by every kernel:
   expert e's group (torch._grouped_mm's convention), so rows >= offsets[-1] are the dropped ones.
 - experts() here writes zeros to the dropped rows; device kernels may leave them unspecified, so combine() reads
   only the rows of assignments with a nonzero weight.
+- quantize_fp8() / experts_fp8() are the FP8 (e4m3, inference-only) forms; kernels/fp8.py fixes their scales.
 - No kernel synchronises with the host except experts(), which walks the groups on the host: route and dispatch
   count with scatter_add rather than bincount (whose output size depends on the data).
 """
@@ -15,6 +16,7 @@ import math
 
 import torch
 
+from . import fp8
 from .activations import expert_activation, expert_activation_backward
 
 
@@ -172,6 +174,24 @@ def _groups(offsets: torch.Tensor):
         start = end
 
 
+def _grouped_ffn(x, offsets, expert_weights, b_in, b_out, out_features: int, activation: str, gated: bool,
+                 interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0, between=None):
+    """Rows of group e go through expert e: act(x W_in[e]^T + b_in[e]) W_out[e]^T + b_out[e], with
+    (W_in[e], W_out[e]) = expert_weights(e) and `between` (if given) applied to the activation."""
+    y = x.new_zeros(x.shape[0], out_features)
+    for e, start, end in _groups(offsets):
+        if end == start:
+            continue
+        w_in, w_out = expert_weights(e)
+        h = x[start:end] @ w_in.t()
+        if b_in is not None:
+            h = h + b_in[e]
+        a = expert_activation(activation, gated, h, interleaved, alpha, limit)
+        out = (a if between is None else between(a)) @ w_out.t()
+        y[start:end] = out + b_out[e] if b_out is not None else out
+    return y
+
+
 def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool, interleaved: bool = False,
             alpha: float = 1.702, limit: float = 7.0):
     """Grouped FFN: rows of group e go through expert e: act(x W_in[e]^T + b_in[e]) W_out[e]^T + b_out[e].
@@ -179,16 +199,28 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool, 
     Gated experts hold gate and up rows in w_in as [gate | up] halves, or interleaved row by row (GPT-OSS);
     alpha and limit parameterise the "swiglu_oai" activation. Weights may be strided views (a transposed HF
     parameter), never copied here."""
-    y = x.new_zeros(x.shape[0], w_out.shape[1])
-    for e, start, end in _groups(offsets):
-        if end == start:
-            continue
-        h = x[start:end] @ w_in[e].t()
-        if b_in is not None:
-            h = h + b_in[e]
-        out = expert_activation(activation, gated, h, interleaved, alpha, limit) @ w_out[e].t()
-        y[start:end] = out + b_out[e] if b_out is not None else out
-    return y
+    return _grouped_ffn(x, offsets, lambda e: (w_in[e], w_out[e]), b_in, b_out, w_out.shape[1], activation, gated,
+                        interleaved, alpha, limit)
+
+
+def quantize_fp8(x, group: int):
+    """Per row per `group` channels: (x_fp8, scale_inv) with x ≈ x_fp8 * scale_inv (kernels/fp8.py)."""
+    return fp8.quantize_groups(x, group)
+
+
+def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
+                activation: str, gated: bool, out_dtype: torch.dtype):
+    """experts() on FP8 operands, as a block-scaled FP8 GEMM computes it: x (1 × 128 scales) and the weights
+    (128 × 128 scales) dequantised to float32, float32 products, and the intermediate activation quantised per row
+    per 128 channels before the second GEMM. Each expert's weights are dequantised only when it has rows."""
+    x = fp8.dequantize_groups(x_fp8, x_scale_inv, fp8.ACT_GROUP)
+
+    def expert_weights(e):
+        return (fp8.dequantize_blocks(w_in[e], w_in_scale_inv[e]), fp8.dequantize_blocks(w_out[e], w_out_scale_inv[e]))
+
+    y = _grouped_ffn(x, offsets, expert_weights, b_in, b_out, w_out.shape[1], activation, gated,
+                     between=fp8.fake_quantize_groups)
+    return y.to(out_dtype)
 
 
 def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gated: bool, has_b_out: bool,

@@ -12,7 +12,10 @@ from .config import MoEConfig
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Router logits in float32 whatever the model dtype. On CUDA with 16-bit inputs the product runs on tensor
     cores with a float32 output (products of 16-bit values are exact in float32; only the summation order
-    differs from upcasting first), instead of an upcast copy of x and a float32 GEMM."""
+    differs from upcasting first), instead of an upcast copy of x and a float32 GEMM. Autocast does not apply."""
+    if torch.is_autocast_enabled(x.device.type):  # (checked first: no autocast region in graphs captured without it)
+        with torch.autocast(x.device.type, enabled=False):
+            return router_logits(x, weight)
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and not needs_grad:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)  # (no derivative for this overload)

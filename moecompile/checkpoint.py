@@ -77,6 +77,10 @@ def save(model: nn.Module, directory: str | os.PathLike, tokenizer_dir: str | os
             config = {}
         bar.update()
         config["moe"] = {"format_version": layout.FORMAT_VERSION, "blocks": blocks}
+        if any("fp8" in b for b in blocks):
+            from .fp8 import quantization_config
+
+            config["quantization_config"] = quantization_config(model)
         write_config(tmp, config)
         bar.update()
         copy_tokenizer(tokenizer_dir, tmp)
@@ -118,6 +122,10 @@ def copy_tokenizer(source: str | os.PathLike | None, directory: Path) -> None:
                 shutil.copy2(Path(source) / name, directory / name)
 
 
+def write_config(directory: Path, config: dict) -> None:
+    (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def _default_permissions(folder: Path) -> None:
     """mkdtemp makes a private folder; give the result the permissions a plain mkdir/open would."""
     umask = os.umask(0)
@@ -127,7 +135,7 @@ def _default_permissions(folder: Path) -> None:
         os.chmod(f, 0o666 & ~umask)
 
 
-def _read_config(directory: Path) -> dict:
+def read_config(directory: Path) -> dict:
     path = directory / CONFIG
     if not path.is_file():
         raise MoECompileError(f"{directory} is not a checkpoint: no {CONFIG}")
@@ -177,8 +185,9 @@ def build_skeleton(config: dict, directory: Path) -> nn.Module:
         raise MoECompileError(f"{directory}: config.json names no transformers architecture to rebuild the model")
     try:
         hf_config = transformers.AutoConfig.from_pretrained(directory)  # reads config.json only
-        if hasattr(hf_config, "moe"):
-            delattr(hf_config, "moe")
+        for key in ("moe", "quantization_config"):  # ours: the layout rebuilds the blocks, FP8 ones included
+            if hasattr(hf_config, key):
+                delattr(hf_config, key)
         return cls(hf_config)
     except Exception as e:  # noqa: BLE001
         raise MoECompileError(f"{directory}: cannot build {architectures[0]} from config.json: {e}") from None
@@ -194,12 +203,17 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) 
         if tuple(expected[key].shape) != tuple(t.shape):
             raise MoECompileError(f"checkpoint does not match its config: {key} has shape {tuple(t.shape)}, "
                                   f"config implies {tuple(expected[key].shape)}")
+        if torch.float8_e4m3fn in (t.dtype, expected[key].dtype) and t.dtype != expected[key].dtype:
+            raise MoECompileError(f"checkpoint does not match its config: {key} is {t.dtype}, config implies "
+                                  f"{expected[key].dtype}")  # a cast to or from FP8 would ignore the scales
     loaded_ids = {id(expected[k]) for k in tensors}
     missing = [k for k, v in expected.items() if k not in tensors and id(v) not in loaded_ids]
     if missing:
         raise MoECompileError(f"checkpoint does not match its config: {len(missing)} tensors missing, "
                               f"e.g. {missing[0]}")
-    floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    # the model's dtype: that of its float tensors other than FP8 weights and their float32 scales
+    floats = [t.dtype for k, t in tensors.items()
+              if t.is_floating_point() and t.element_size() > 1 and not k.endswith("_scale_inv")]
     if floats:
         model.to(floats[0])
     model.load_state_dict(tensors, strict=False)
@@ -209,7 +223,7 @@ def read_moe_config(directory: Path) -> tuple[dict, dict]:
     """config.json of a moecompile checkpoint and its validated `moe` section."""
     if not directory.is_dir():
         raise MoECompileError(f"no such checkpoint directory: {directory}")
-    config = _read_config(directory)
+    config = read_config(directory)
     moe = config.get("moe")
     if not isinstance(moe, dict) or not isinstance(moe.get("blocks"), list):
         raise MoECompileError(f"{directory} is not a moecompile checkpoint: config.json has no moe section")

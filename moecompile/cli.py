@@ -1,4 +1,4 @@
-"""Command line: `moecompile convert`, `inspect`, `export-onnx` and `checkpoint gather|scatter`.
+"""Command line: `moecompile convert`, `inspect`, `quantize`, `export-onnx` and `checkpoint gather|scatter`.
 
 Errors in the user's input print one line `moecompile: error: ...` and exit with code 2.
 """
@@ -38,7 +38,18 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--noise", type=float, default=0.0, help="upcycle: relative noise added to each expert copy")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--max-shard-size", default="5GB", help="shard model.safetensors above this size (default 5GB)")
+    c.add_argument("--fp8", action="store_true",
+                   help="store the experts in FP8 (float8_e4m3fn, 128x128 block scales); inference only")
     c.add_argument("--no-progress", action="store_true")
+
+    q = sub.add_parser("quantize", help="quantise the experts of a moecompile checkpoint or of a Hugging Face MoE "
+                                        "model folder (Mixtral, Qwen-MoE, DeepSeek, ...) into a new folder")
+    q.add_argument("model", help="a moecompile checkpoint folder, or a Hugging Face MoE model folder (safetensors)")
+    q.add_argument("--fp8", action="store_true", required=True,
+                   help="float8_e4m3fn experts with 128x128 block scales (HF FineGrainedFP8 layout)")
+    q.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    q.add_argument("--max-shard-size", default="5GB", help="moecompile checkpoints: shard size (default 5GB)")
+    q.add_argument("--no-progress", action="store_true")
 
     i = sub.add_parser("inspect", help="show MoE blocks of a checkpoint, or the FFNs a model would convert")
     i.add_argument("model", help="a moecompile checkpoint folder, or anything `convert` takes")
@@ -114,7 +125,13 @@ def convert(a) -> int:
     dense_out = _probe_output(model, probe_args, probe_kwargs)
     moeize(model, experts=a.experts, top_k=a.top_k, capacity_factor=a.capacity_factor, method=a.method,
            layers=a.layers, noise=a.noise, seed=a.seed, progress=progress)
-    diff = (_probe_output(model, probe_args, probe_kwargs) - dense_out).abs().max().item()
+    moe_out = _probe_output(model, probe_args, probe_kwargs)
+    diff = (moe_out - dense_out).abs().max().item()
+    if a.fp8:
+        from . import fp8
+
+        fp8.quantize(model, progress=progress)  # from the converted weights, before any --dtype rounding
+        fp8_err = _rel_err(_probe_output(model, probe_args, probe_kwargs), moe_out)
     if a.dtype:
         model.to(DTYPES[a.dtype])
     checkpoint.save(model, out, tokenizer_dir=source.directory, max_shard_size=a.max_shard_size, progress=progress)
@@ -125,6 +142,47 @@ def convert(a) -> int:
     print(f"  parameters: dense {report.human(dense['total'])} -> total {report.human(moe['total'])}, "
           f"active per token {report.human(moe['active_per_token'])}")
     print(f"  output vs dense on {probe_args[0].numel()} probe tokens: max abs diff {diff:.3g}")
+    if a.fp8:
+        print(f"  FP8 experts (float8_e4m3fn, 128x128 block scales): output vs unquantised, relative error "
+              f"{fp8_err:.3g}")
+    print(f"  saved to {out} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def _folder_bytes(directory) -> int:
+    from pathlib import Path
+
+    return sum(f.stat().st_size for f in Path(directory).iterdir() if f.suffix == ".safetensors")
+
+
+def quantize_cmd(a) -> int:
+    from pathlib import Path
+
+    from . import checkpoint, fp8, layout
+
+    source = Path(a.model)
+    if not source.is_dir():
+        raise MoECompileError(f"no such folder: {source}")
+    out = checkpoint.check_output_dir(a.out)
+    progress = not a.no_progress
+    start = time.perf_counter()
+    if checkpoint.is_checkpoint(source):
+        model = checkpoint.load(source, progress=progress)
+        fp8.quantize(model, progress=progress)
+        checkpoint.save(model, out, tokenizer_dir=source, max_shard_size=a.max_shard_size, progress=progress)
+        what = f"the experts of {len(layout.moe_blocks(model))} MoE blocks"
+    else:
+        from .hf_fp8 import quantize_checkpoint
+
+        count = quantize_checkpoint(source, out, progress=progress)
+        what = f"{count} expert weights (Hugging Face FineGrainedFP8 layout)"
+    before, after = _folder_bytes(source), _folder_bytes(out)
+    print(f"quantised {what} of {source} to float8_e4m3fn with 128x128 block scales")
+    print(f"  weights {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB ({after / before:.2f}x)")
     print(f"  saved to {out} in {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -185,7 +243,8 @@ def inspect_cmd(a) -> int:
         print(f"{a.model}: {len(info['blocks'])} MoE blocks")
         for b in info["blocks"]:
             print(f"  {b['path']}: {b['method']}, {b['experts']} experts x {b['expert_size']} "
-                  f"({b['activation']}{', gated' if b['gated'] else ''}), top-{b['top_k']}, "
+                  f"({b['activation']}{', gated' if b['gated'] else ''}{', fp8' if b['fp8'] else ''}), "
+                  f"top-{b['top_k']}, "
                   f"capacity factor {b['capacity_factor']}, {report.human(b['params'])} params")
     else:
         print(f"{a.model}: dense, {len(info['ffns'])} FFNs found")
@@ -295,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
 
         transformers.logging.set_verbosity_error()
-        commands = {"convert": convert, "inspect": inspect_cmd, "export-onnx": export_onnx_cmd,
-                    "checkpoint": checkpoint_cmd}
+        commands = {"convert": convert, "inspect": inspect_cmd, "quantize": quantize_cmd,
+                    "export-onnx": export_onnx_cmd, "checkpoint": checkpoint_cmd}
         return commands[args.command](args)
     except MoECompileError as e:
         print(f"moecompile: error: {e}", file=sys.stderr)

@@ -27,8 +27,20 @@ def record(model: nn.Module, path: str, config: MoEConfig, identity: list[str]) 
     object.__setattr__(model, LAYOUT_ATTR, layout)  # a plain attribute, not a submodule or buffer
 
 
+def annotate(model: nn.Module, path: str, **fields) -> None:
+    """Set (or, with None, remove) extra fields of the entry of the block at path, if the model records one."""
+    entries = get_layout(model)
+    for i, e in enumerate(entries):
+        if e["path"] == path:
+            entries[i] = {k: v for k, v in {**e, **fields}.items() if v is not None}
+    object.__setattr__(model, LAYOUT_ATTR, entries)
+
+
 def apply_layout(model: nn.Module, layout: list[dict]) -> nn.Module:
-    """Put freshly initialised MoEBlocks (and Identities) where `layout` says: the skeleton that load() fills."""
+    """Put freshly initialised MoEBlocks (and Identities) where `layout` says: the skeleton that load() fills.
+    An entry with an "fp8" field gets FP8 experts (moecompile.fp8)."""
+    from . import fp8  # fp8 records its blocks through this module
+
     for entry in layout:
         try:
             model.get_submodule(entry["path"])
@@ -37,6 +49,9 @@ def apply_layout(model: nn.Module, layout: list[dict]) -> nn.Module:
         except AttributeError as e:
             raise MoECompileError(f"MoE layout does not fit this model: {e}") from None
         block = MoEBlock(MoEConfig.from_dict(entry["config"]))
+        if "fp8" in entry:
+            fp8.check_format(entry["fp8"], f"MoE block {entry['path']}")
+            block.experts = fp8.MoEExpertsFP8.empty(block.config)
         model.set_submodule(entry["path"], block)
         for p in entry.get("identity", []):
             model.set_submodule(p, nn.Identity())

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from moecompile.errors import MoECompileError
 from moecompile.runtime import kernel_for
 from moecompile.runtime.registry import reference_kernel
 
@@ -317,5 +318,96 @@ def _route_dispatch_backward(ctx, grad_weights, grad_ids, grad_rows, grad_order,
 
 route_dispatch.register_autograd(_route_dispatch_backward, setup_context=_route_dispatch_setup)
 
+
+# ---- FP8 (float8_e4m3fn), inference only; scale conventions in kernels/fp8.py (x ≈ x_fp8 * scale_inv)
+# quantize_fp8: x [N, H] -> (x_fp8 [N, H], scale_inv [N, ceil(H / group)] float32), per row per `group` channels.
+# experts_fp8: experts() on x quantised per row per 128 channels and weights w_in [E, F, H], w_out [E, H, I] in
+# float8_e4m3fn with one float32 scale_inv per 128 x 128 tile ([E, ceil(F/128), ceil(H/128)] and
+# [E, ceil(H/128), ceil(I/128)]); the intermediate activation is quantised per row per 128 channels before the
+# second GEMM. Output [N, H] in out_dtype; the same row semantics as experts() (rows >= offsets[-1] unspecified).
+
+FP8_GROUP = 128  # activation group and weight tile edge of experts_fp8
+
+
+@torch.library.custom_op("moecompile::quantize_fp8", mutates_args=())
+def quantize_fp8(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    return _kernel("quantize_fp8", x)(x, group)
+
+
+@quantize_fp8.register_fake
+def _(x, group):
+    rows, hidden = x.shape
+    return (x.new_empty(rows, hidden, dtype=torch.float8_e4m3fn),
+            x.new_empty(rows, (hidden + group - 1) // group, dtype=torch.float32))
+
+
+def _tiles(n: int) -> int:
+    return (n + FP8_GROUP - 1) // FP8_GROUP
+
+
+def _check_experts_fp8(x, x_scale_inv, w_in, w_in_scale_inv, w_out, w_out_scale_inv):
+    e, f, h = w_in.shape
+    expected = {"x_scale_inv": (x_scale_inv, (x.shape[0], _tiles(h))),
+                "w_in_scale_inv": (w_in_scale_inv, (e, _tiles(f), _tiles(h))),
+                "w_out_scale_inv": (w_out_scale_inv, (e, _tiles(w_out.shape[1]), _tiles(w_out.shape[2])))}
+    for name, (t, shape) in expected.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"moecompile::experts_fp8: {name} has shape {tuple(t.shape)}, expected {shape}")
+    for name, t in (("x", x), ("w_in", w_in), ("w_out", w_out)):
+        if t.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"moecompile::experts_fp8: {name} must be float8_e4m3fn, got {t.dtype}")
+
+
+@torch.library.custom_op("moecompile::experts_fp8", mutates_args=())
+def experts_fp8(x: Tensor, x_scale_inv: Tensor, offsets: Tensor, w_in: Tensor, w_in_scale_inv: Tensor,
+                b_in: Optional[Tensor], w_out: Tensor, w_out_scale_inv: Tensor, b_out: Optional[Tensor],
+                activation: str, gated: bool, out_dtype: torch.dtype) -> Tensor:
+    _check_experts_fp8(x, x_scale_inv, w_in, w_in_scale_inv, w_out, w_out_scale_inv)
+    return _kernel("experts_fp8", x)(x, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv,
+                                     b_out, activation, gated, out_dtype)
+
+
+@experts_fp8.register_fake
+def _(x, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out, activation, gated,
+      out_dtype):
+    return x.new_empty(x.shape[0], w_out.shape[1], dtype=out_dtype)
+
+
+def _no_backward(op_name: str):
+    def backward(ctx, *grads):
+        raise MoECompileError(f"moecompile::{op_name} is inference-only (FP8 experts have no backward): run the "
+                              "model under torch.no_grad(), or moecompile.fp8.dequantize(model) to train it")
+    return backward
+
+
+quantize_fp8.register_autograd(_no_backward("quantize_fp8"), setup_context=lambda ctx, inputs, output: None)
+experts_fp8.register_autograd(_no_backward("experts_fp8"), setup_context=lambda ctx, inputs, output: None)
+
+
+# ---- autocast: the expert GEMMs run in the autocast dtype (their float inputs cast, as autocast casts a linear's);
+# the FP8 ops keep their own precision (float32 scales, out_dtype chosen by the caller). Each runs with autocast
+# off inside, so a kernel's own arithmetic (the reference kernels' float32) is not re-cast.
+
+_autocast_lib = torch.library.Library("moecompile", "IMPL")
+
+
+def _register_autocast(name: str, cast: tuple[int, ...]):
+    op = getattr(torch.ops.moecompile, name).default
+    for device_type in ("cpu", "cuda"):
+        def kernel(_keyset, *args, device_type=device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            args = [a.to(dtype) if i in cast and isinstance(a, Tensor) and a.is_floating_point()
+                    and a.dtype != torch.float64 and a.device.type == device_type else a for i, a in enumerate(args)]
+            with torch.autocast(device_type, enabled=False):
+                return op(*args)
+        _autocast_lib.impl(name, kernel, "Autocast" + torch._C._dispatch_key_for_device(device_type),
+                           with_keyset=True)
+
+
+_register_autocast("experts", cast=(0, 2, 3, 4, 5))  # x, w_in, b_in, w_out, b_out
+_register_autocast("quantize_fp8", cast=())
+_register_autocast("experts_fp8", cast=())
+
 MOE_OPS = (route, dispatch, experts, combine)
 FUSED_OPS = (route_grouped, route_dispatch)
+FP8_OPS = (quantize_fp8, experts_fp8)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .fp8 import is_fp8
 from .layout import moe_blocks
 
 
@@ -26,6 +27,6 @@ def block_rows(model: nn.Module) -> list[dict]:
         c = block.config
         rows.append({"path": path, "method": c.method, "experts": c.num_experts, "top_k": c.top_k,
                      "expert_size": c.expert_size, "activation": c.activation, "gated": c.gated,
-                     "capacity_factor": c.capacity_factor,
+                     "capacity_factor": c.capacity_factor, "fp8": is_fp8(block),
                      "params": sum(p.numel() for p in block.parameters())})
     return rows

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from .find_ffn import find_ffn
 from .fuse_route_dispatch import fuse_route_dispatch
 from .insert_all_to_all import insert_all_to_all
+from .insert_fp8 import insert_fp8
 from .moeize import moeize
 from .nodes import value
 from .recognise_moe import recognise_moe
@@ -25,16 +26,16 @@ from .set_capacity import set_capacity
 
 PIPELINES = {
     # dense -> MoE on graphs captured by torch.export (moecompile.moeize's graph view)
-    # insert_all_to_all is a no-op unless options["expert_parallel"] asks for expert parallelism
-    "convert": [find_ffn, moeize, insert_all_to_all],
+    # insert_fp8 and insert_all_to_all run only when options["fp8"] / options["expert_parallel"] ask
+    "convert": [find_ffn, moeize, insert_fp8, insert_all_to_all],
     # Dynamo graphs in the torch.compile backend: existing MoE blocks -> moecompile ops, then their optimisation.
-    # insert_fp8 joins here as it lands.
     "compile": [recognise_moe, set_capacity, fuse_route_dispatch],
 }
 PIPELINE = PIPELINES["convert"]
 
 # passes that an option turns on (default None: off) or off (default True: on): pass -> (option, default)
-GATES = {set_capacity: ("capacity_factor", None), fuse_route_dispatch: ("fuse", True)}
+GATES = {set_capacity: ("capacity_factor", None), fuse_route_dispatch: ("fuse", True),
+         insert_fp8: ("fp8", None), insert_all_to_all: ("expert_parallel", None)}
 
 
 class GraphCheckError(RuntimeError):

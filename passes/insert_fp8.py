@@ -1,0 +1,113 @@
+"""insert_fp8 (graph view of moecompile.fp8): each moecompile.experts node becomes quantize_fp8 -> experts_fp8.
+
+    before   y = experts(x, offsets, w_in, b_in, w_out, b_out, act, gated)
+    after    x_fp8, x_scale_inv = quantize_fp8(x, 128)
+             y = experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
+                             act, gated, <x's dtype>)
+
+The weights are quantised once, here: the constant behind each weight's get_attr becomes its float8_e4m3fn 128 × 128
+blocks under the same name, with a float32 `<name>_scale_inv` beside it (MoEExpertsFP8's names, and those of HF's
+FineGrainedFP8 experts); a whole MoEExperts module becomes an MoEExpertsFP8. Runs when ctx.options["fp8"] is set;
+experts whose weights are graph inputs rather than constants are left alone and reported.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx, nn
+
+from moecompile.block import MoEExperts
+from moecompile.fp8 import ACT_GROUP, FP8, MoEExpertsFP8, quantize_weight
+
+EXPERTS = torch.ops.moecompile.experts.default
+QUANTIZE_FP8 = torch.ops.moecompile.quantize_fp8.default
+EXPERTS_FP8 = torch.ops.moecompile.experts_fp8.default
+
+
+def _owner(gm: fx.GraphModule, target: str) -> tuple[nn.Module, str, str]:
+    path, _, attr = target.rpartition(".")
+    return (gm.get_submodule(path) if path else gm), path, attr
+
+
+def _unsupported(gm: fx.GraphModule, weights: list) -> str | None:
+    for w in weights:
+        if not isinstance(w, fx.Node) or w.op != "get_attr":
+            return "its weights are not constants of the graph (get_attr)"
+        if any(u.target not in (EXPERTS, EXPERTS_FP8) for u in w.users):
+            return f"{w.target} is also used outside the experts"
+        module, _, attr = _owner(gm, w.target)
+        t = getattr(module, attr)
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
+            return f"{w.target} is not a 3-d float tensor"
+    return None
+
+
+def _quantize_constant(gm: fx.GraphModule, target: str) -> str:
+    """Turn the constant at target into FP8 blocks (same name) with scales at `<target>_scale_inv`; returns that."""
+    module, path, attr = _owner(gm, target)
+    scale = f"{target}_scale_inv"
+    if getattr(module, attr).dtype == FP8:  # done already: weights shared by two experts nodes
+        return scale
+    if isinstance(module, MoEExperts) and path:  # swap the module whole, so that its class fits its tensors
+        gm.set_submodule(path, MoEExpertsFP8.quantize(module))
+        return scale
+    is_param = attr in module._parameters
+    q, s = quantize_weight(getattr(module, attr))
+    delattr(module, attr)
+    for name, t in ((attr, q), (f"{attr}_scale_inv", s)):
+        if is_param:
+            module.register_parameter(name, nn.Parameter(t, requires_grad=False))
+        else:
+            module.register_buffer(name, t)
+    return scale
+
+
+def _set_vals(x: fx.Node, quant: fx.Node, parts: tuple[fx.Node, fx.Node]) -> None:
+    """Shape metadata for the new nodes, from the fake tensor of x (when the graph carries them)."""
+    val = x.meta.get("val")
+    if not isinstance(val, torch._subclasses.fake_tensor.FakeTensor):
+        return
+    with val.fake_mode:
+        out = QUANTIZE_FP8(val, ACT_GROUP)
+    quant.meta["val"] = out
+    for node, v in zip(parts, out):
+        node.meta["val"] = v
+
+
+def insert_fp8(gm: fx.GraphModule, ctx) -> dict:
+    """Pass: FP8 experts (ctx.options["fp8"]); see the module docstring."""
+    if not ctx.options.get("fp8"):
+        return {"rewritten": [], "skipped": []}
+    rewritten, skipped = [], []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not EXPERTS:
+            continue
+        x, offsets, w_in, b_in, w_out, b_out, activation, gated = node.args[:8]
+        if len(node.args) > 8 and node.args[8]:  # GPT-OSS interleaved gate/up: no FP8 kernel for it
+            continue
+        why = _unsupported(gm, [w_in, w_out])
+        if why:
+            skipped.append(f"{node.name}: {why}")
+            continue
+        val = node.meta.get("val")
+        module, _, attr = _owner(gm, w_in.target)
+        out_dtype = val.dtype if val is not None else getattr(module, attr).dtype  # experts' output: x's dtype
+        scales = [_quantize_constant(gm, w.target) for w in (w_in, w_out)]
+        with gm.graph.inserting_before(node):
+            quant = gm.graph.call_function(QUANTIZE_FP8, (x, ACT_GROUP))
+            x_fp8 = gm.graph.call_function(operator.getitem, (quant, 0))
+            x_scale_inv = gm.graph.call_function(operator.getitem, (quant, 1))
+            s_in, s_out = (gm.graph.get_attr(s) for s in scales)
+            new = gm.graph.call_function(EXPERTS_FP8, (x_fp8, x_scale_inv, offsets, w_in, s_in, b_in, w_out, s_out,
+                                                       b_out, activation, gated, out_dtype))
+        for n in (quant, x_fp8, x_scale_inv, new):
+            if "nn_module_stack" in node.meta:
+                n.meta["nn_module_stack"] = node.meta["nn_module_stack"]
+        if val is not None:
+            new.meta["val"] = val
+        _set_vals(x, quant, (x_fp8, x_scale_inv))
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        rewritten.append(f"{node.name}: {w_in.target}, {w_out.target} -> float8_e4m3fn, 128x128 block scales")
+    return {"rewritten": rewritten, "skipped": skipped}
