@@ -131,3 +131,28 @@ def test_block_training_step_on_gpu_matches_reference_kernels(monkeypatch):
     assert _rel(gx, x.grad) <= 2e-2
     for n, p in block.named_parameters():
         assert _rel(grads[n], p.grad) <= 3e-2, n
+
+
+@pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
+def test_fp8_kernels_match_reference(gated, bias):
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    tokens, e, k, h, i = 700, 4, 2, 256, 384
+    w_in, b_in, w_out, b_out = _weights(e, h, i, gated, bias, gen)
+    from moecompile.kernels import fp8 as F
+
+    w_in_q, w_in_s = F.quantize_blocks(w_in)
+    w_out_q, w_out_s = F.quantize_blocks(w_out)
+    x = torch.randn(tokens, h, generator=gen, device=DEVICE).bfloat16()
+    weights, ids = ops.route(torch.randn(tokens, e, generator=gen, device=DEVICE), k, 0.0, True)
+    rows, order, offsets = ops.dispatch(x, ids, e)
+    xq, xs = C.quantize_fp8(rows, 128)
+    rq, rs = R.quantize_fp8(rows, 128)
+    assert _rel(xq.float() * xs.repeat_interleave(128, 1), rq.float() * rs.repeat_interleave(128, 1)) < 1e-2
+    args = (xq, xs, offsets, w_in_q, w_in_s, b_in, w_out_q, w_out_s, b_out, "silu" if gated else "gelu", gated,
+            torch.bfloat16)
+    got = C.experts_fp8(*args)
+    want = R.experts_fp8(*args)
+    kept = int(offsets[-1])
+    assert _rel(got[:kept], want[:kept]) <= 2e-2
+    exact = R.experts(rows.float(), offsets, w_in, b_in, w_out, b_out, "silu" if gated else "gelu", gated)
+    assert _rel(got[:kept], exact[:kept]) <= 6e-2
