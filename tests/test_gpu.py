@@ -153,6 +153,8 @@ def test_fp8_kernels_match_reference(gated, bias):
     got = C.experts_fp8(*args)
     want = R.experts_fp8(*args)
     kept = int(offsets[-1])
+    print("fp8 kernel vs reference", _rel(got[:kept], want[:kept]))
     assert _rel(got[:kept], want[:kept]) <= 2e-2
     exact = R.experts(rows.float(), offsets, w_in, b_in, w_out, b_out, "silu" if gated else "gelu", gated)
-    assert _rel(got[:kept], exact[:kept]) <= 6e-2
+    # e4m3's own error on these random weights: the float32 reference of experts_fp8 is 6.4e-2 (gated) off too
+    assert _rel(got[:kept], exact[:kept]) <= 8e-2
