@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from .find_ffn import find_ffn
@@ -75,7 +76,9 @@ def _check(gm: fx.GraphModule, name: str, expected: list | None) -> None:
         return
     try:
         got = output_signature(gm)
-    except Exception as e:  # noqa: BLE001 - any failure to propagate is the pass's fault
+    except GuardOnDataDependentSymNode:  # split sizes exchanged between ranks (insert_all_to_all): lint only
+        return
+    except Exception as e:  # noqa: BLE001 - any other failure to propagate is the pass's fault
         raise GraphCheckError(f"graph check after {name}: {type(e).__name__}: {e}") from e
     if got != expected:
         raise GraphCheckError(f"graph check after {name}: outputs changed from {expected} to {got}")

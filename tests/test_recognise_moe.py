@@ -201,4 +201,4 @@ def test_graph_check_catches_a_pass_that_breaks_the_graph():
 
 def test_compile_pipeline_is_one_ordered_list():
     assert [p.__name__ for p in PIPELINES["compile"]] == ["recognise_moe", "set_capacity", "fuse_route_dispatch"]
-    assert [p.__name__ for p in PIPELINES["convert"]] == ["find_ffn", "moeize"]
+    assert [p.__name__ for p in PIPELINES["convert"]] == ["find_ffn", "moeize", "insert_fp8", "insert_all_to_all"]
