@@ -51,7 +51,8 @@ class CalibConfig:
     """How `calibrate` builds each block. top_k and distill_top_k count the shared experts too."""
     experts: int = 16  # expert-sized groups of neurons per FFN, shared ones included
     top_k: int = 4  # active experts per token, shared ones included
-    shared_experts: int = 0  # how many of the experts are always on
+    shared_experts: int = 0  # always-on expert-equivalents (top_k counts them)
+    shared_kind: str = "neurons"  # "neurons": the most active neurons; "linear": a linear map of that rank
     partition: str = "kmeans"
     compensation: bool = True
     router_steps: int = 0
@@ -77,12 +78,14 @@ class CalibConfig:
             if not self.shared_experts < k <= self.experts:
                 raise MoECompileError(f"distillation top_k {k} must be between {self.shared_experts + 1} and "
                                       f"{self.experts}")
+        if self.shared_kind not in ("neurons", "linear"):
+            raise MoECompileError(f"shared_kind must be 'neurons' or 'linear', got {self.shared_kind!r}")
         if self.router_steps < 0 or self.distill_steps < 0:
             raise MoECompileError("router and distillation steps must be >= 0")
 
     @property
-    def routed_experts(self) -> int:
-        return self.experts - self.shared_experts
+    def routed_experts(self) -> int:  # a linear shared expert takes no neurons away from the routed ones
+        return self.experts - (self.shared_experts if self.shared_kind == "neurons" else 0)
 
     def routed_k(self, top_k: int) -> int:
         return top_k - self.shared_experts
@@ -315,7 +318,7 @@ def train_router(block: MoEBlock, x: torch.Tensor, steps: int, lr: float, batch:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def distill(block: MoEBlock, x: torch.Tensor, y: torch.Tensor, steps: int, top_ks: tuple[int, ...], lr: float,
@@ -338,7 +341,7 @@ def distill(block: MoEBlock, x: torch.Tensor, y: torch.Tensor, steps: int, top_k
         opt.step()
         sched.step()
     block.eval()
-    return float(loss)
+    return float(loss.detach())
 
 
 def with_config(block: MoEBlock, **changes) -> MoEBlock:
@@ -374,3 +377,208 @@ def fit_linear_shared(block: MoEBlock, x: torch.Tensor, y: torch.Tensor, top_k: 
         new.shared.b_in.zero_()
     new.bias += r_mean - x_mean @ coef @ v.t() @ v
     return new
+
+
+# ------------------------------------------------------------------------------------------ whole model
+
+
+class ByteTokenizer:
+    """Fallback for models without tokenizer files (--random-init configs): UTF-8 bytes modulo the vocabulary."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __call__(self, texts: list[str], max_length: int) -> dict:
+        rows = [[b % self.vocab_size for b in t.encode()[:max_length]] or [0] for t in texts]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+def load_tokenizer(directory, model: nn.Module):
+    if directory is not None:
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(directory)
+            return lambda texts, max_length: dict(tok(texts, padding=True, truncation=True, max_length=max_length,
+                                                      return_tensors="pt"))
+        except Exception:  # noqa: BLE001 - no tokenizer files: fall back below
+            pass
+    log.warning("no tokenizer for this model: calibrating on UTF-8 bytes as token ids")
+    return ByteTokenizer(model.config.vocab_size)
+
+
+def token_batches(tokenize, texts: list[str], tokens: int, max_length: int = 128, batch: int = 32,
+                  seed: int = 0) -> list[dict]:
+    """Batches holding about `tokens` real tokens from texts (shuffled with seed), grouped by length so that
+    little compute goes to padding."""
+    order = list(texts)
+    random.Random(seed).shuffle(order)
+    chosen, count = [], 0
+    for start in range(0, len(order), 256):
+        part = order[start:start + 256]
+        lengths = tokenize(part, max_length)["attention_mask"].sum(1).tolist()
+        for text, n in zip(part, lengths):
+            chosen.append((n, text))
+            count += n
+            if count >= tokens:
+                break
+        if count >= tokens:
+            break
+    chosen.sort(key=lambda p: p[0])
+    texts = [t for _, t in chosen]
+    return [tokenize(texts[i:i + batch], max_length) for i in range(0, len(texts), batch)]
+
+
+def _model_kwargs(model: nn.Module, enc: dict) -> dict:
+    kwargs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    if "use_cache" in getattr(model.forward, "__code__", type("", (), {"co_varnames": ()})).co_varnames:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+@torch.no_grad()
+def collect_ffn_inputs(model: nn.Module, owners: list[str], batches: list[dict], progress: bool = True):
+    """The input of each FFN module (real tokens only, padding dropped) over the batches: {owner: [N, H]}."""
+    found: dict[str, list[torch.Tensor]] = {o: [] for o in owners}
+    mask = {}
+    hooks = [model.get_submodule(o).register_forward_pre_hook(
+        lambda m, args, o=o: found[o].append(args[0][mask["m"]].detach().float())) for o in owners]
+    try:
+        for enc in tqdm(batches, desc="calibration forward", unit="batch", disable=not progress):
+            mask["m"] = enc["attention_mask"].bool()
+            model(**_model_kwargs(model, enc))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {o: torch.cat(v) for o, v in found.items()}
+
+
+def calibrated_block(ffn: DenseFFN, x: torch.Tensor, cfg: CalibConfig, seed: int,
+                     progress: bool = True, desc: str = "") -> tuple[MoEBlock, dict]:
+    """One FFN -> calibrated MoEBlock (see the module docstring), and its numbers."""
+    x = x.float()
+    y = torch.cat([ffn_output(ffn, x[s]) for s in _chunks(x.shape[0])])
+    i = ffn.intermediate_size
+    if i % cfg.experts:
+        raise MoECompileError(f"split needs experts to divide the FFN size: {i} neurons into {cfg.experts} experts")
+    size = i // cfg.experts
+    routed_k = cfg.routed_k(cfg.top_k)
+    if cfg.partition == "weights":
+        rows = ffn.w_in.reshape(-1, i, ffn.hidden_size).permute(1, 0, 2).reshape(i, -1)
+        features = torch.cat([rows, ffn.w_out.t()], dim=1).float()
+    else:
+        features = contribution_features(ffn, x)
+    shared = None
+    rest = torch.arange(i)
+    if cfg.shared_experts and cfg.shared_kind == "neurons":  # the most active neurons, always on
+        shared = features.mean(1).topk(cfg.shared_experts * size).indices.sort().values
+        keep = torch.ones(i, dtype=torch.bool)
+        keep[shared] = False
+        rest = rest[keep]
+    groups = [rest[g] for g in partition_neurons(features[rest], cfg.routed_experts, cfg.partition, seed)]
+    block = split_block(ffn, groups, shared, max(routed_k, 1), cfg.capacity_factor, cfg.compensation)
+    fit_router_and_compensation(block, x, max(routed_k, 1), cfg.ridge)
+    if cfg.shared_experts and cfg.shared_kind == "linear":
+        block = fit_linear_shared(block, x, y, routed_k, cfg.shared_experts * size)
+    if cfg.router_steps:
+        train_router(block, x, cfg.router_steps, cfg.lr, cfg.batch_tokens, seed, progress, f"router {desc}")
+    ks = tuple(cfg.routed_k(k) for k in (cfg.distill_top_k or (cfg.top_k,)))
+    before = relative_error(block, x, y, max(routed_k, 1))
+    distill(block, x, y, cfg.distill_steps, ks, cfg.lr, cfg.batch_tokens, seed, progress, f"distill {desc}")
+    block.config.top_k = routed_k if routed_k > 0 else 1
+    stats = {"groups": [g.tolist() for g in groups], "shared": shared.tolist() if shared is not None else [],
+             "calib_relative_error_before_distill": before,
+             "calib_relative_error": relative_error(block, x, y, routed_k)}
+    return block.eval(), stats
+
+
+def calibrate_model(model: nn.Module, batches: list[dict], cfg: CalibConfig, layers=None,
+                    progress: bool = True) -> list[dict]:
+    """Replace the model's FFNs (those `layers` selects) by calibrated MoE blocks, in place; returns per-layer
+    stats. FFN inputs come from one forward pass of the dense model over the calibration batches."""
+    model.eval()
+    found, skipped = find_dense_ffns(model)
+    if not found:
+        why = f" ({'; '.join(skipped)})" if skipped else ""
+        raise MoECompileError(f"no FFN found in {type(model).__name__}{why}")
+    chosen = [found[i] for i in parse_layers(layers, len(found))]
+    inputs = collect_ffn_inputs(model, [f.owner for f in chosen], batches, progress)
+    rows = []
+    for n, ffn in enumerate(tqdm(chosen, desc="calibrate", unit="layer", disable=not progress)):
+        block, stats = calibrated_block(ffn, inputs.pop(ffn.owner), cfg, cfg.seed + n, progress, ffn.owner)
+        model.set_submodule(ffn.owner, block)
+        for path in ffn.identity:
+            model.set_submodule(path, nn.Identity())
+        layout.record(model, ffn.owner, block.config, ffn.identity)
+        rows.append({"path": ffn.owner, **stats})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ quality report
+
+
+def _set_top_k(model: nn.Module, routed_k: int) -> None:
+    for m in model.modules():
+        if isinstance(m, MoEBlock):
+            m.config.top_k = routed_k
+
+
+@torch.no_grad()
+def _outputs(model: nn.Module, batches: list[dict]) -> list:
+    outs = []
+    for enc in batches:
+        out = model(**_model_kwargs(model, enc))
+        logits = getattr(out, "logits", None)
+        if logits is not None:  # decoder: per-batch summed next-token NLL and token count
+            mask = enc["attention_mask"][:, 1:].float()
+            nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), enc["input_ids"][:, 1:], reduction="none")
+            outs.append(("ppl", (nll * mask).sum().item(), mask.sum().item()))
+        else:  # encoder: mean-pooled sentence embeddings
+            h = out.last_hidden_state.float()
+            m = enc["attention_mask"].unsqueeze(-1).float()
+            outs.append(("emb", (h * m).sum(1) / m.sum(1).clamp_min(1)))
+    return outs
+
+
+def quality(model: nn.Module, dense_outs: list, batches: list[dict]) -> dict:
+    """Encoders: mean and 5th-percentile cosine of mean-pooled embeddings vs the dense model's.
+    Decoders: perplexity on the held-out text (and the dense model's)."""
+    outs = _outputs(model, batches)
+    if outs and outs[0][0] == "ppl":
+        nll, n = sum(o[1] for o in outs), sum(o[2] for o in outs)
+        dn, dc = sum(o[1] for o in dense_outs), sum(o[2] for o in dense_outs)
+        return {"perplexity": math.exp(nll / max(n, 1)), "dense_perplexity": math.exp(dn / max(dc, 1))}
+    cos = F.cosine_similarity(torch.cat([o[1] for o in outs]), torch.cat([o[1] for o in dense_outs]), dim=-1)
+    return {"mean_cosine": cos.mean().item(), "p5_cosine": torch.quantile(cos, 0.05).item()}
+
+
+def quality_curve(model: nn.Module, dense_outs: list, batches: list[dict], cfg: CalibConfig,
+                  dense_ffn_flops: int, progress: bool = True) -> list[dict]:
+    """Quality at every top_k from the shared experts' count (at least 1) to experts; restores the block k."""
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    saved = [b.config.top_k for b in blocks]
+    rows = []
+    try:
+        for k in tqdm(range(max(1, cfg.shared_experts), cfg.experts + 1), desc="evaluate top_k", unit="k",
+                      disable=not progress):
+            _set_top_k(model, cfg.routed_k(k))  # 0: the shared expert alone
+            flops = sum(ffn_flops(b.config, cfg.routed_k(k)) for b in blocks)
+            rows.append({"top_k": k, "ffn_flop_fraction": flops / dense_ffn_flops,
+                         **quality(model, dense_outs, batches)})
+    finally:
+        for b, k in zip(blocks, saved):
+            b.config.top_k = k
+    return rows
+
+
+def ffn_flops(c: MoEConfig, routed_k: int) -> int:
+    """Multiply-adds per token of the experts a token runs (shared one included; router not counted)."""
+    per_expert = c.expert_in_features * c.hidden_size + c.hidden_size * c.expert_size
+    shared = 0
+    if c.shared_expert_size:
+        sc = c.shared_config()
+        shared = sc.expert_in_features * c.hidden_size + c.hidden_size * sc.expert_size
+    return routed_k * per_expert + shared

@@ -50,8 +50,10 @@ def is_checkpoint(directory: str | os.PathLike) -> bool:
 
 
 def save(model: nn.Module, directory: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None,
-         max_shard_size: str | int = DEFAULT_SHARD_SIZE, progress: bool = True) -> Path:
-    """Write model (converted by moeize) to directory, atomically."""
+         max_shard_size: str | int = DEFAULT_SHARD_SIZE, progress: bool = True,
+         extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write model (converted by moeize) to directory, atomically; extra_files (name -> bytes, e.g. a
+    calibration report) are written beside the weights inside the same atomic step."""
     directory = check_output_dir(directory)
     blocks = layout.get_layout(model)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -81,6 +83,8 @@ def save(model: nn.Module, directory: str | os.PathLike, tokenizer_dir: str | os
                 for name in TOKENIZER_FILES:
                     if (Path(tokenizer_dir) / name).is_file():
                         shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
+            for name, data in (extra_files or {}).items():
+                (tmp / name).write_bytes(data)
             bar.update()
         _default_permissions(tmp)
         if directory.exists():
