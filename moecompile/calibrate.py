@@ -194,7 +194,7 @@ def split_block(ffn: DenseFFN, groups: list[torch.Tensor], shared: torch.Tensor 
     with torch.no_grad():
         block.router.weight.zero_()
         block.router.bias.zero_()
-    return block
+    return block.eval()
 
 
 @torch.no_grad()
@@ -326,8 +326,7 @@ def distill(block: MoEBlock, x: torch.Tensor, y: torch.Tensor, steps: int, top_k
     """Adam on every parameter of the block against the dense outputs y, top_k cycling through top_ks."""
     if steps <= 0:
         return float("nan")
-    block.train()
-    weights = _token_weights(x, y)
+    weights = _token_weights(x, y)  # the block stays in eval mode: masked_forward has no dropout or jitter
     opt = torch.optim.Adam(block.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     gen = torch.Generator().manual_seed(seed)
@@ -340,7 +339,6 @@ def distill(block: MoEBlock, x: torch.Tensor, y: torch.Tensor, steps: int, top_k
         loss.backward()
         opt.step()
         sched.step()
-    block.eval()
     return float(loss.detach())
 
 
