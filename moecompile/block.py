@@ -7,6 +7,7 @@ from torch import nn
 
 from . import ops
 from .config import MoEConfig
+from .kernels.activations import expert_activation
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -52,9 +53,16 @@ class MoEBlock(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.config = config
-        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)
         nn.init.normal_(self.router.weight, std=0.02)
+        if self.router.bias is not None:
+            nn.init.zeros_(self.router.bias)
         self.experts = MoEExperts(config)
+        # always-on expert: a plain dense FFN, outside the routed ops
+        self.shared = MoEExperts(config.shared_config()) if config.shared_expert_size else None
+        # compensation[e] stands in for expert e's output on tokens that do not use it (zeros: exact at init)
+        self.compensation = (nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+                             if config.compensation else None)
         self.bias = nn.Parameter(torch.zeros(config.hidden_size)) if config.bias_out == "shared" else None
         self.dropout = nn.Dropout(config.dropout)
         self.aux_loss: torch.Tensor | None = None
@@ -70,6 +78,8 @@ class MoEBlock(nn.Module):
         if self.training and self.config.router_jitter > 0:
             eps = self.config.router_jitter
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+        if self.router.bias is not None:  # (a calibrated router's intercept)
+            return F.linear(x.float(), self.router.weight.float(), self.router.bias.float())
         return router_logits(x, self.router.weight)
 
     def forward(self, hidden_states: torch.Tensor, top_k: int | None = None,
@@ -77,21 +87,29 @@ class MoEBlock(nn.Module):
         c = self.config
         top_k = c.top_k if top_k is None else top_k
         capacity_factor = c.capacity_factor if capacity_factor is None else capacity_factor
-        if not 1 <= top_k <= c.num_experts:
-            raise ValueError(f"top_k must be between 1 and {c.num_experts}, got {top_k}")
+        if not (0 if self.shared is not None else 1) <= top_k <= c.num_experts:
+            raise ValueError(f"top_k must be between {0 if self.shared is not None else 1} and {c.num_experts}, "
+                             f"got {top_k}")
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        logits = self.router_logits(x)
-        weights, expert_ids = ops.route(logits, top_k, float(capacity_factor), c.renormalize)
-        if c.gate_weighting == "unit":  # weight 1 per kept expert, straight-through gradient to the router
-            weights = torch.where(expert_ids < c.num_experts, weights - weights.detach() + 1.0, 0.0)
-        out = self.run_experts(x, weights, expert_ids)
+        if top_k == 0:  # the shared expert alone
+            out = self._shared_out(x) + self._compensation_out(x, None)
+        else:
+            logits = self.router_logits(x)
+            weights, expert_ids = ops.route(logits, top_k, float(capacity_factor), c.renormalize)
+            if c.gate_weighting == "unit":  # weight 1 per kept expert, straight-through gradient to the router
+                weights = torch.where(expert_ids < c.num_experts, weights - weights.detach() + 1.0, 0.0)
+            out = self.run_experts(x, weights, expert_ids)
+            if self.shared is not None:
+                out = out + self._shared_out(x)
+            if self.compensation is not None:
+                out = out + self._compensation_out(x, expert_ids)
+            if self.training and x.shape[0] > 0:
+                self.aux_loss = self._aux_loss(logits, top_k)
+            if self.track_routing and not torch.compiler.is_exporting():  # export would leave fake tensors here
+                self.routing = self._routing(logits, expert_ids, top_k)
         if self.bias is not None:
             out = out + self.bias
-        if self.training and x.shape[0] > 0:
-            self.aux_loss = self._aux_loss(logits, top_k)
-        if self.track_routing and not torch.compiler.is_exporting():  # export would leave fake tensors here
-            self.routing = self._routing(logits, expert_ids, top_k)
         return self.dropout(out).reshape(shape)
 
     def _routing(self, logits, expert_ids, top_k: int) -> dict:
@@ -113,6 +131,25 @@ class MoEBlock(nn.Module):
         c = self.config
         rows, order, offsets = ops.dispatch(x, expert_ids, c.num_experts)
         return ops.combine(self.experts(rows, offsets, c.activation, c.gated), order, weights)
+
+    def _shared_out(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared is None:
+            return x.new_zeros(x.shape[0], self.config.hidden_size)
+        s = self.shared
+        h = F.linear(x, s.w_in[0], s.b_in[0] if s.b_in is not None else None)
+        if not self.config.shared_linear:
+            h = expert_activation(self.config.activation, self.config.gated, h)
+        return F.linear(h, s.w_out[0])
+
+    def _compensation_out(self, x: torch.Tensor, expert_ids: torch.Tensor | None) -> torch.Tensor:
+        """Sum of compensation[e] over the experts each token does not use (capacity-dropped ones included)."""
+        if self.compensation is None:
+            return x.new_zeros(x.shape[0], self.config.hidden_size)
+        e = self.config.num_experts
+        unused = x.new_ones(x.shape[0], e)
+        if expert_ids is not None:  # dropped assignments carry id e: they land in the extra column
+            unused = 1.0 - x.new_zeros(x.shape[0], e + 1).scatter(1, expert_ids, 1.0)[:, :e]
+        return unused @ self.compensation.to(x.dtype)
 
     def _aux_loss(self, logits: torch.Tensor, top_k: int) -> torch.Tensor:
         """Switch/GShard load balancing E * sum_e f_e P_e (f: fraction of top-k choices, P: mean router

@@ -52,8 +52,10 @@ def is_checkpoint(directory: str | os.PathLike) -> bool:
 
 
 def save(model: nn.Module, directory: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None,
-         max_shard_size: str | int = DEFAULT_SHARD_SIZE, progress: bool = True) -> Path:
-    """Write model (converted by moeize) to directory, atomically."""
+         max_shard_size: str | int = DEFAULT_SHARD_SIZE, progress: bool = True,
+         extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write model (converted by moeize) to directory, atomically; extra_files (name -> bytes, e.g. a
+    calibration report) are written beside the weights inside the same atomic step."""
     from .distributed import is_distributed
 
     if is_distributed(model):
@@ -84,6 +86,8 @@ def save(model: nn.Module, directory: str | os.PathLike, tokenizer_dir: str | os
         write_config(tmp, config)
         bar.update()
         copy_tokenizer(tokenizer_dir, tmp)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
         bar.update()
     return Path(directory)
 

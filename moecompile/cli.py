@@ -37,6 +37,17 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--random-init", action="store_true", help="build the model from its config with random weights")
     c.add_argument("--noise", type=float, default=0.0, help="upcycle: relative noise added to each expert copy")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--calib", default=None, metavar="SOURCE",
+                   help="split: calibrate on text: 'stdlib' (Python standard library docstrings) or a text FILE")
+    c.add_argument("--calib-tokens", type=int, default=40000, help="calibration tokens (default 40000)")
+    c.add_argument("--shared-experts", type=int, default=0, help="always-on expert-equivalents, counted in --top-k")
+    c.add_argument("--shared-kind", choices=("neurons", "linear"), default="neurons",
+                   help="shared expert: the most active neurons, or a linear map of the same cost")
+    c.add_argument("--partition", choices=("kmeans", "graph", "random", "weights"), default="kmeans",
+                   help="how neurons are grouped into experts (default kmeans on co-activation)")
+    c.add_argument("--router-steps", type=int, default=0, help="router training steps after the least-squares fit")
+    c.add_argument("--distill-steps", type=int, default=0, help="layer-wise distillation steps per FFN")
+    c.add_argument("--eval-sentences", type=int, default=256, help="held-out sentences for the report (0: none)")
     c.add_argument("--max-shard-size", default="5GB", help="shard model.safetensors above this size (default 5GB)")
     c.add_argument("--fp8", action="store_true",
                    help="store the experts in FP8 (float8_e4m3fn, 128x128 block scales); inference only")
@@ -115,6 +126,8 @@ def convert(a) -> int:
         raise MoECompileError(f"--experts must be >= 1, got {a.experts}")
     if not 1 <= a.top_k <= a.experts:
         raise MoECompileError(f"--top-k must be between 1 and --experts ({a.experts}), got {a.top_k}")
+    if a.calib is not None and a.method != "split":
+        raise MoECompileError("--calib needs --method split")
     out = checkpoint.check_output_dir(a.out or _default_out(a.model, a.experts))
     progress = not a.no_progress
     start = time.perf_counter()
@@ -123,8 +136,14 @@ def convert(a) -> int:
     dense = report.parameter_counts(model)
     probe_args, probe_kwargs = example_inputs(model)
     dense_out = _probe_output(model, probe_args, probe_kwargs)
-    moeize(model, experts=a.experts, top_k=a.top_k, capacity_factor=a.capacity_factor, method=a.method,
-           layers=a.layers, noise=a.noise, seed=a.seed, progress=progress)
+    extra = {}
+    if a.calib is not None:
+        from .calib_report import run_calibration
+
+        extra = run_calibration(model, source.directory, a, progress)
+    else:
+        moeize(model, experts=a.experts, top_k=a.top_k, capacity_factor=a.capacity_factor, method=a.method,
+               layers=a.layers, noise=a.noise, seed=a.seed, progress=progress)
     moe_out = _probe_output(model, probe_args, probe_kwargs)
     diff = (moe_out - dense_out).abs().max().item()
     if a.fp8:
@@ -134,7 +153,8 @@ def convert(a) -> int:
         fp8_err = _rel_err(_probe_output(model, probe_args, probe_kwargs), moe_out)
     if a.dtype:
         model.to(DTYPES[a.dtype])
-    checkpoint.save(model, out, tokenizer_dir=source.directory, max_shard_size=a.max_shard_size, progress=progress)
+    checkpoint.save(model, out, tokenizer_dir=source.directory, max_shard_size=a.max_shard_size, progress=progress,
+                    extra_files=extra)
     moe = report.parameter_counts(model)
     blocks = report.block_rows(model)
     print(f"converted {a.model}{' (RANDOM weights)' if source.random_weights else ''}: {len(blocks)} FFNs -> "

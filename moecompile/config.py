@@ -40,7 +40,7 @@ class MoEConfig:
     groups have variable size (no padding), so > 0 and < 0 drop the same assignments; the sign only records intent.
     gate_weighting "router" scales each expert's output by its (renormalised) router weight; "unit" gives every
     selected expert weight 1 (a neuron split is exact at top_k = experts that way), with a straight-through
-    gradient to the router.
+    gradient to the router. With a shared expert, top_k may be 0 per call (only the shared expert runs).
     """
 
     hidden_size: int
@@ -60,6 +60,11 @@ class MoEConfig:
     z_loss_coef: float = 0.0  # ST-MoE router z-loss
     dropout: float = 0.0  # on the block output, kept from the dense FFN it replaced
     method: str = "custom"  # how the experts were made: upcycle | split | custom
+    # calibrated conversion (moecompile/calibrate.py); the defaults leave the block as above
+    shared_expert_size: int = 0  # neurons of one always-on expert beside the routed ones (same activation/gating)
+    shared_linear: bool = False  # the shared expert without activation: a rank-shared_expert_size linear map
+    router_bias: bool = False  # a bias on the router logits (a fitted router predicts expert mass with an intercept)
+    compensation: bool = False  # a learned output vector per expert, added for every expert a token does not use
 
     def __post_init__(self):
         self.activation = canonical_activation(self.activation)
@@ -73,6 +78,8 @@ class MoEConfig:
             raise MoECompileError(f"bias_out must be 'none', 'expert' or 'shared', got {self.bias_out!r}")
         if self.hidden_size < 1 or self.expert_size < 1:
             raise MoECompileError("hidden_size and expert_size must be positive")
+        if self.shared_expert_size < 0:
+            raise MoECompileError(f"shared_expert_size must be >= 0, got {self.shared_expert_size}")
 
     @property
     def expert_in_features(self) -> int:
@@ -86,6 +93,12 @@ class MoEConfig:
         if self.bias_out == "expert":
             n += self.hidden_size
         return n
+
+    def shared_config(self) -> "MoEConfig":
+        """The always-on expert's shapes: one expert of shared_expert_size neurons, no output bias of its own."""
+        return dataclasses.replace(self, num_experts=1, top_k=1, expert_size=self.shared_expert_size,
+                                   bias_out="none", shared_expert_size=0, compensation=False, router_bias=False,
+                                   gated=self.gated and not self.shared_linear, shared_linear=False)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -201,8 +201,9 @@ def _neuron_groups(ffn: DenseFFN, experts: int, seed: int) -> list[torch.Tensor]
 
 
 def build_block(ffn: DenseFFN, experts: int, top_k: int, capacity_factor: float, method: str,
-                noise: float = 0.0, seed: int = 0) -> MoEBlock:
-    """An MoEBlock equivalent to the dense FFN (at init, see the module docstring)."""
+                noise: float = 0.0, seed: int = 0, groups: list[torch.Tensor] | None = None) -> MoEBlock:
+    """An MoEBlock equivalent to the dense FFN (at init, see the module docstring). `groups` (split only): the
+    neuron indices of each expert, instead of the weight k-means (calibrate.py passes co-activation groups)."""
     if method not in METHODS:
         raise MoECompileError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
     gated = ffn.match.gated
@@ -227,12 +228,15 @@ def build_block(ffn: DenseFFN, experts: int, top_k: int, capacity_factor: float,
                 ex.b_out.copy_(ffn.b_out.expand_as(ex.b_out))
             block.router.weight.copy_(torch.randn(block.router.weight.shape, generator=gen) * 0.02)
         return block
-    if i % experts:
+    if groups is None and i % experts:
         raise MoECompileError(f"split needs experts to divide the FFN size: {i} neurons into {experts} experts")
-    config = MoEConfig(expert_size=i // experts, bias_out="shared" if ffn.b_out is not None else "none",
+    # given groups may leave neurons out (a calibrated split's shared expert holds them)
+    size = i // experts if groups is None else len(groups[0])
+    config = MoEConfig(expert_size=size, bias_out="shared" if ffn.b_out is not None else "none",
                        gate_weighting="unit", **common)
     block = MoEBlock(config).to(dtype=ffn.w_in.dtype, device=ffn.w_in.device)
-    groups = _neuron_groups(ffn, experts, seed)
+    if groups is None:
+        groups = _neuron_groups(ffn, experts, seed)
     w_in = ffn.w_in.reshape(-1, i, h)  # [1 or 2 (gate, up), I, H]
     with torch.no_grad():
         ex = block.experts

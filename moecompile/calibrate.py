@@ -1,0 +1,582 @@
+"""Calibrated neuron split (MoEfication-style): dense FFN -> MoE block from activations on real text.
+
+    moecompile convert MODEL --method split --calib stdlib --experts 16 --top-k 4 --shared-experts 1 \\
+        --distill-steps 400
+
+Per FFN, on the FFN inputs that calibration text produces in the dense model:
+1. shared expert (optional): the neurons with the largest mean output contribution |a_i| * ||w_out[:, i]||
+   become one always-on expert (CMoE); `top_k` counts it, so FLOPs stay top_k / experts of the dense FFN.
+2. partition: the other neurons go into equal groups by co-activation, either balanced spherical k-means on
+   each neuron's contribution pattern over the calibration tokens ("kmeans") or recursive Kernighan-Lin
+   bisection of a k-nearest-neighbour co-activation graph ("graph", networkx); "random" and "weights"
+   (k-means on the neurons' weights, the uncalibrated split) are the baselines.
+3. compensation: each expert's mean output over the tokens that do not select it, added when it is skipped
+   (G-MoEfication); zero at top_k = experts, so the split stays exact there.
+4. router: least squares (ridge) from the FFN input to each expert's deviation from its compensation,
+   ||out_e - comp_e||, i.e. the error its absence would cause (D2DMoE's norm predictor); softmax top-k of a
+   linear predictor is top-k of the prediction. `router_steps` then trains it to rank experts by that target.
+5. distillation (`distill_steps`): Adam on every block parameter (router through the straight-through unit
+   gates, experts, shared expert, compensation) against the dense FFN's outputs on the calibration inputs,
+   the top_k drawn per step from `distill_top_k` so one checkpoint serves several k.
+
+The result is an ordinary MoEBlock (shared_expert_size, router_bias, compensation are MoEConfig options), saved
+and reloaded by moecompile.save / load.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import layout, ops
+from .block import MoEBlock
+from .config import MoEConfig
+from .convert import DenseFFN, balanced_kmeans, build_block, find_dense_ffns, parse_layers
+from .errors import MoECompileError
+from .kernels.activations import expert_activation
+
+log = logging.getLogger("moecompile")
+
+PARTITIONS = ("kmeans", "graph", "random", "weights")
+
+
+@dataclass
+class CalibConfig:
+    """How `calibrate` builds each block. top_k and distill_top_k count the shared experts too."""
+    experts: int = 16  # expert-sized groups of neurons per FFN, shared ones included
+    top_k: int = 4  # active experts per token, shared ones included
+    shared_experts: int = 0  # always-on expert-equivalents (top_k counts them)
+    shared_kind: str = "neurons"  # "neurons": the most active neurons; "linear": a linear map of that rank
+    partition: str = "kmeans"
+    compensation: bool = True
+    router_steps: int = 0
+    distill_steps: int = 0
+    distill_top_k: tuple[int, ...] = ()  # top_k values drawn during distillation (default: (top_k,))
+    lr: float = 1e-3
+    batch_tokens: int = 1024
+    ridge: float = 1e-3  # router least squares: relative ridge on the input covariance
+    capacity_factor: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.partition not in PARTITIONS:
+            raise MoECompileError(f"unknown partition {self.partition!r}; expected one of {', '.join(PARTITIONS)}")
+        if not 0 <= self.shared_experts < self.experts:
+            raise MoECompileError(f"shared experts must be between 0 and experts - 1 ({self.experts - 1}), "
+                                  f"got {self.shared_experts}")
+        if not self.shared_experts < self.top_k <= self.experts and not (
+                self.shared_experts and self.top_k == self.shared_experts):
+            raise MoECompileError(f"top_k must be between {max(self.shared_experts, 1)} and experts "
+                                  f"({self.experts}) with {self.shared_experts} shared, got {self.top_k}")
+        for k in self.distill_top_k:
+            if not self.shared_experts < k <= self.experts:
+                raise MoECompileError(f"distillation top_k {k} must be between {self.shared_experts + 1} and "
+                                      f"{self.experts}")
+        if self.shared_kind not in ("neurons", "linear"):
+            raise MoECompileError(f"shared_kind must be 'neurons' or 'linear', got {self.shared_kind!r}")
+        if self.router_steps < 0 or self.distill_steps < 0:
+            raise MoECompileError("router and distillation steps must be >= 0")
+
+    @property
+    def routed_experts(self) -> int:  # a linear shared expert takes no neurons away from the routed ones
+        return self.experts - (self.shared_experts if self.shared_kind == "neurons" else 0)
+
+    def routed_k(self, top_k: int) -> int:
+        return top_k - self.shared_experts
+
+
+# ------------------------------------------------------------------------------------------ the dense FFN
+
+
+def ffn_hidden(ffn: DenseFFN, x: torch.Tensor) -> torch.Tensor:
+    """The dense FFN's hidden activations [N, I] (gate * up for gated FFNs)."""
+    h = F.linear(x, ffn.w_in.float(), ffn.b_in.float() if ffn.b_in is not None else None)
+    return expert_activation(ffn.match.activation, ffn.match.gated, h)
+
+
+def ffn_output(ffn: DenseFFN, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(ffn_hidden(ffn, x), ffn.w_out.float(), ffn.b_out.float() if ffn.b_out is not None else None)
+
+
+def _chunks(n: int, size: int = 4096):
+    for start in range(0, n, size):
+        yield slice(start, min(n, start + size))
+
+
+# ------------------------------------------------------------------------------------------ partitioning
+
+
+def contribution_features(ffn: DenseFFN, x: torch.Tensor, max_tokens: int = 4096) -> torch.Tensor:
+    """Per neuron, |a_i| * ||w_out[:, i]|| over (up to max_tokens evenly spaced) calibration tokens: [I, T]."""
+    step = max(1, x.shape[0] // max_tokens)
+    a = ffn_hidden(ffn, x[::step][:max_tokens])
+    return (a.abs() * ffn.w_out.float().norm(dim=0)).t().contiguous()
+
+
+def _graph_partition(features: torch.Tensor, groups: int, seed: int, neighbours: int = 16) -> torch.Tensor:
+    """Balanced partition of a k-nearest-neighbour co-activation graph by recursive Kernighan-Lin bisection
+    (networkx); KL swaps pairs, so every part keeps the size it starts with."""
+    import networkx as nx
+
+    n = features.shape[0]
+    z = F.normalize(features.float(), dim=1)
+    sim = z @ z.t()
+    sim.fill_diagonal_(-math.inf)
+    top = sim.topk(min(neighbours, n - 1), dim=1) if n > 1 else None
+    graph = nx.Graph()
+    graph.add_nodes_from(range(n))
+    if top is not None:
+        for i, (js, ws) in enumerate(zip(top.indices.tolist(), top.values.tolist())):
+            graph.add_edges_from((i, j, {"weight": max(w, 0.0)}) for j, w in zip(js, ws))
+    assign = torch.empty(n, dtype=torch.long)
+    rng = random.Random(seed)
+
+    def bisect(nodes: list[int], parts: int, first: int) -> None:
+        if parts == 1:
+            assign[nodes] = first
+            return
+        left = parts // 2
+        cut = len(nodes) * left // parts
+        order = sorted(nodes)
+        rng.shuffle(order)
+        a, b = nx.algorithms.community.kernighan_lin_bisection(
+            graph.subgraph(order), partition=(set(order[:cut]), set(order[cut:])), weight="weight",
+            seed=rng.randrange(2**31))
+        bisect(sorted(a), left, first)
+        bisect(sorted(b), parts - left, first + left)
+
+    bisect(list(range(n)), groups, 0)
+    return assign
+
+
+def partition_neurons(features: torch.Tensor, groups: int, method: str, seed: int = 0) -> list[torch.Tensor]:
+    """Split rows (neurons) into `groups` equal groups; returns each group's sorted neuron indices."""
+    n = features.shape[0]
+    if n % groups:
+        raise MoECompileError(f"cannot split {n} neurons into {groups} equal experts")
+    if method == "random":
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        return [g.sort().values for g in perm.reshape(groups, -1)]
+    if method == "graph":
+        assign = _graph_partition(features, groups, seed)
+    else:  # kmeans, weights: spherical k-means with a balanced assignment
+        assign = balanced_kmeans(features, groups, iters=20, seed=seed)
+    return [torch.nonzero(assign == g).flatten() for g in range(groups)]
+
+
+# ------------------------------------------------------------------------------------------ block building
+
+
+def split_block(ffn: DenseFFN, groups: list[torch.Tensor], shared: torch.Tensor | None, top_k: int,
+                capacity_factor: float, compensation: bool) -> MoEBlock:
+    """An MoEBlock whose experts are the given neuron groups of ffn (and an always-on expert of `shared`
+    neurons); exact at top_k = len(groups) while the compensation is zero."""
+    base = build_block(ffn, len(groups), top_k, capacity_factor, "split", groups=groups)
+    h = ffn.hidden_size
+    config = MoEConfig(**{**base.config.to_dict(), "router_bias": True, "compensation": compensation,
+                          "shared_expert_size": 0 if shared is None else len(shared)})
+    block = MoEBlock(config).to(dtype=torch.float32)
+    missing, unexpected = block.load_state_dict(base.state_dict(), strict=False)
+    assert not unexpected, unexpected
+    if shared is not None:
+        w_in = ffn.w_in.reshape(-1, ffn.intermediate_size, h)
+        with torch.no_grad():
+            block.shared.w_in[0] = w_in[:, shared].reshape(-1, h)
+            block.shared.w_out[0] = ffn.w_out[:, shared]
+            if block.shared.b_in is not None:
+                block.shared.b_in[0] = ffn.b_in.reshape(-1, ffn.intermediate_size)[:, shared].reshape(-1)
+    with torch.no_grad():
+        block.router.weight.zero_()
+        block.router.bias.zero_()
+    return block.eval()
+
+
+@torch.no_grad()
+def expert_outputs(block: MoEBlock, x: torch.Tensor) -> torch.Tensor:
+    """Every routed expert's output on every token: [N, E, H] (no shared expert, compensation or bias)."""
+    ex, c = block.experts, block.config
+    h = torch.einsum("th,efh->tef", x, ex.w_in.float())
+    if ex.b_in is not None:
+        h = h + ex.b_in.float()
+    out = torch.einsum("tei,ehi->teh", expert_activation(c.activation, c.gated, h), ex.w_out.float())
+    if ex.b_out is not None:
+        out = out + ex.b_out.float()
+    return out
+
+
+def _selection(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """0/1 [N, E]: the top-k experts by router logit."""
+    return torch.zeros_like(logits).scatter(1, logits.topk(k, dim=1).indices, 1.0)
+
+
+@torch.no_grad()
+def fit_router_and_compensation(block: MoEBlock, x: torch.Tensor, top_k: int, ridge: float,
+                                rounds: int = 2) -> None:
+    """Least-squares router and conditional-mean compensation, alternated (each depends on the other):
+    compensation[e] = mean output of expert e over tokens that skip it; router -> ||out_e - compensation[e]||."""
+    e = block.config.num_experts
+    n, h = x.shape
+    x1 = torch.cat([x.float(), x.new_ones(n, 1)], 1)
+    gram = x1.t() @ x1
+    gram += ridge * gram.diagonal()[:-1].mean() * torch.eye(h + 1)  # relative ridge, none on the intercept
+    target = torch.empty(n, e)
+    sums = torch.zeros(e, h)
+    counts = torch.zeros(e)
+    logits = None
+    for _ in range(rounds):
+        comp = block.compensation.float() if block.compensation is not None else torch.zeros(e, h)
+        sums.zero_()
+        counts.zero_()
+        for s in _chunks(n):
+            out = expert_outputs(block, x[s])
+            target[s] = (out - comp).norm(dim=-1)
+            if logits is not None and block.compensation is not None:
+                skipped = 1.0 - _selection(logits[s], top_k)
+                sums += torch.einsum("te,teh->eh", skipped, out)
+                counts += skipped.sum(0)
+            elif block.compensation is not None:  # first round: plain mean
+                sums += out.sum(0)
+                counts += out.shape[0]
+        if block.compensation is not None:
+            block.compensation.copy_(sums / counts.clamp_min(1).unsqueeze(1))
+            for s in _chunks(n):  # the target is the deviation from the compensation just fitted
+                target[s] = (expert_outputs(block, x[s]) - block.compensation.float()).norm(dim=-1)
+        w = torch.linalg.solve(gram, x1.t() @ target)
+        block.router.weight.copy_(w[:h].t())
+        block.router.bias.copy_(w[h])
+        logits = block.router_logits(x)
+
+
+def masked_forward(block: MoEBlock, x: torch.Tensor, top_k: int) -> torch.Tensor:
+    """MoEBlock.forward (dropless, eval) computed densely: every expert on every token, masked by the routing
+    weights. The same function as the block's (a test checks it), 4-8x faster to train on CPU than the grouped
+    reference kernels."""
+    c, ex = block.config, block.experts
+    e = c.num_experts
+    n = x.shape[0]
+    out = block._shared_out(x)
+    if top_k > 0:
+        weights, ids = ops.route(block.router_logits(x), top_k, 0.0, c.renormalize)
+        if c.gate_weighting == "unit":
+            weights = torch.where(ids < e, weights - weights.detach() + 1.0, 0.0)
+        mask = x.new_zeros(n, e + 1).scatter(1, ids, weights.to(x.dtype))[:, :e]
+        h = torch.einsum("th,efh->tef", x, ex.w_in)
+        if ex.b_in is not None:
+            h = h + ex.b_in
+        a = expert_activation(c.activation, c.gated, h) * mask.unsqueeze(-1)
+        out = out + torch.einsum("tei,ehi->th", a, ex.w_out)
+        if ex.b_out is not None:
+            out = out + mask @ ex.b_out
+        out = out + block._compensation_out(x, ids)
+    else:
+        out = out + block._compensation_out(x, None)
+    if block.bias is not None:
+        out = out + block.bias
+    return out
+
+
+def _token_weights(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-token loss weights: the error relative to the token's residual-stream scale, so that a few tokens with
+    huge FFN outputs (BERT's [CLS] in layer 0) do not drown the rest."""
+    return 1.0 / (y.float().pow(2).sum(1) + x.float().pow(2).sum(1)).clamp_min(1e-6)
+
+
+def relative_error(block: MoEBlock, ffn_x: torch.Tensor, y: torch.Tensor, top_k: int) -> float:
+    """||block(x) - y|| / ||y|| over all tokens, computed with the block's own forward."""
+    with torch.no_grad():
+        num = den = 0.0
+        for s in _chunks(ffn_x.shape[0]):
+            out = block(ffn_x[s], top_k=top_k)
+            num += (out.float() - y[s]).pow(2).sum().item()
+            den += y[s].pow(2).sum().item()
+    return math.sqrt(num / max(den, 1e-30))
+
+
+def train_router(block: MoEBlock, x: torch.Tensor, steps: int, lr: float, batch: int, seed: int,
+                 progress: bool = True, desc: str = "router") -> float:
+    """Train the router alone to rank experts by the error their absence causes: cross-entropy between the
+    router's softmax and softmax(target / T), target = ||out_e - compensation[e]||, T its mean spread."""
+    if steps <= 0:
+        return float("nan")
+    params = [p for p in block.router.parameters()]
+    opt = torch.optim.Adam(params, lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    comp = block.compensation.detach().float() if block.compensation is not None else 0.0
+    loss = torch.zeros(())
+    for _ in tqdm(range(steps), desc=desc, unit="step", disable=not progress, leave=False):
+        idx = torch.randint(x.shape[0], (min(batch, x.shape[0]),), generator=gen)
+        xb = x[idx]
+        target = (expert_outputs(block, xb) - comp).norm(dim=-1)
+        temp = target.std(dim=1, keepdim=True).clamp_min(1e-6)
+        loss = torch.sum(-torch.softmax(target / temp, 1) * torch.log_softmax(block.router_logits(xb), 1), 1).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return float(loss.detach())
+
+
+def distill(block: MoEBlock, x: torch.Tensor, y: torch.Tensor, steps: int, top_ks: tuple[int, ...], lr: float,
+            batch: int, seed: int, progress: bool = True, desc: str = "distill") -> float:
+    """Adam on every parameter of the block against the dense outputs y, top_k cycling through top_ks."""
+    if steps <= 0:
+        return float("nan")
+    weights = _token_weights(x, y)  # the block stays in eval mode: masked_forward has no dropout or jitter
+    opt = torch.optim.Adam(block.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    loss = torch.zeros(())
+    for step in tqdm(range(steps), desc=desc, unit="step", disable=not progress, leave=False):
+        idx = torch.randint(x.shape[0], (min(batch, x.shape[0]),), generator=gen)
+        out = masked_forward(block, x[idx], top_ks[step % len(top_ks)])
+        loss = ((out - y[idx]).pow(2).sum(1) * weights[idx]).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    return float(loss.detach())
+
+
+def with_config(block: MoEBlock, **changes) -> MoEBlock:
+    """A copy of block with config fields changed; parameters that keep their shapes are carried over."""
+    new = MoEBlock(MoEConfig(**{**block.config.to_dict(), **changes})).to(dtype=torch.float32)
+    own = new.state_dict()
+    new.load_state_dict({k: v for k, v in block.state_dict().items() if k in own and own[k].shape == v.shape},
+                        strict=False)
+    return new.eval()
+
+
+@torch.no_grad()
+def fit_linear_shared(block: MoEBlock, x: torch.Tensor, y: torch.Tensor, top_k: int, rank: int) -> MoEBlock:
+    """Give the block an always-on linear expert of `rank` (2 * rank * H multiply-adds, as many as `rank`
+    neurons): reduced-rank least squares of what the routed top_k experts miss, y - block(x). Most of a GELU
+    FFN's output is linear in its input; the top-k experts keep the nonlinear part of the selected neurons."""
+    n, h = x.shape
+    residual = torch.empty(n, h)
+    for s in _chunks(n):
+        residual[s] = y[s] - block(x[s], top_k=top_k).float()
+    x_mean, r_mean = x.float().mean(0), residual.mean(0)
+    xc = x.float() - x_mean
+    gram = xc.t() @ xc
+    gram += 1e-6 * gram.diagonal().mean() * torch.eye(h)
+    coef = torch.linalg.solve(gram, xc.t() @ (residual - r_mean))  # [H, H]: full-rank fit
+    _, _, vh = torch.linalg.svd(xc @ coef, full_matrices=False)  # principal directions of the fitted values
+    v = vh[:rank]  # [r, H]
+    # the intercept goes to the block's output bias (made if the dense FFN had none)
+    new = with_config(block, shared_expert_size=rank, shared_linear=True, bias_out="shared")
+    new.shared.w_in[0] = (coef @ v.t()).t()  # x -> r coordinates
+    new.shared.w_out[0] = v.t()  # back to H
+    if new.shared.b_in is not None:
+        new.shared.b_in.zero_()
+    new.bias += r_mean - x_mean @ coef @ v.t() @ v
+    return new
+
+
+# ------------------------------------------------------------------------------------------ whole model
+
+
+class ByteTokenizer:
+    """Fallback for models without tokenizer files (--random-init configs): UTF-8 bytes modulo the vocabulary."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __call__(self, texts: list[str], max_length: int) -> dict:
+        rows = [[b % self.vocab_size for b in t.encode()[:max_length]] or [0] for t in texts]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+def load_tokenizer(directory, model: nn.Module):
+    if directory is not None:
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(directory)
+            return lambda texts, max_length: dict(tok(texts, padding=True, truncation=True, max_length=max_length,
+                                                      return_tensors="pt"))
+        except Exception:  # noqa: BLE001 - no tokenizer files: fall back below
+            pass
+    log.warning("no tokenizer for this model: calibrating on UTF-8 bytes as token ids")
+    return ByteTokenizer(model.config.vocab_size)
+
+
+def token_batches(tokenize, texts: list[str], tokens: int, max_length: int = 128, batch: int = 32,
+                  seed: int = 0) -> list[dict]:
+    """Batches holding about `tokens` real tokens from texts (shuffled with seed), grouped by length so that
+    little compute goes to padding."""
+    order = list(texts)
+    random.Random(seed).shuffle(order)
+    chosen, count = [], 0
+    for start in range(0, len(order), 256):
+        part = order[start:start + 256]
+        lengths = tokenize(part, max_length)["attention_mask"].sum(1).tolist()
+        for text, n in zip(part, lengths):
+            chosen.append((n, text))
+            count += n
+            if count >= tokens:
+                break
+        if count >= tokens:
+            break
+    chosen.sort(key=lambda p: p[0])
+    texts = [t for _, t in chosen]
+    return [tokenize(texts[i:i + batch], max_length) for i in range(0, len(texts), batch)]
+
+
+def _model_kwargs(model: nn.Module, enc: dict) -> dict:
+    kwargs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    if "use_cache" in getattr(model.forward, "__code__", type("", (), {"co_varnames": ()})).co_varnames:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+@torch.no_grad()
+def collect_ffn_inputs(model: nn.Module, owners: list[str], batches: list[dict], progress: bool = True):
+    """The input of each FFN module (real tokens only, padding dropped) over the batches: {owner: [N, H]}."""
+    found: dict[str, list[torch.Tensor]] = {o: [] for o in owners}
+    mask = {}
+    hooks = [model.get_submodule(o).register_forward_pre_hook(
+        lambda m, args, o=o: found[o].append(args[0][mask["m"]].detach().float())) for o in owners]
+    try:
+        for enc in tqdm(batches, desc="calibration forward", unit="batch", disable=not progress):
+            mask["m"] = enc["attention_mask"].bool()
+            model(**_model_kwargs(model, enc))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {o: torch.cat(v) for o, v in found.items()}
+
+
+def calibrated_block(ffn: DenseFFN, x: torch.Tensor, cfg: CalibConfig, seed: int,
+                     progress: bool = True, desc: str = "") -> tuple[MoEBlock, dict]:
+    """One FFN -> calibrated MoEBlock (see the module docstring), and its numbers."""
+    x = x.float()
+    y = torch.cat([ffn_output(ffn, x[s]) for s in _chunks(x.shape[0])])
+    i = ffn.intermediate_size
+    if i % cfg.experts:
+        raise MoECompileError(f"split needs experts to divide the FFN size: {i} neurons into {cfg.experts} experts")
+    size = i // cfg.experts
+    routed_k = cfg.routed_k(cfg.top_k)
+    if cfg.partition == "weights":
+        rows = ffn.w_in.reshape(-1, i, ffn.hidden_size).permute(1, 0, 2).reshape(i, -1)
+        features = torch.cat([rows, ffn.w_out.t()], dim=1).float()
+    else:
+        features = contribution_features(ffn, x)
+    shared = None
+    rest = torch.arange(i)
+    if cfg.shared_experts and cfg.shared_kind == "neurons":  # the most active neurons, always on
+        shared = features.mean(1).topk(cfg.shared_experts * size).indices.sort().values
+        keep = torch.ones(i, dtype=torch.bool)
+        keep[shared] = False
+        rest = rest[keep]
+    groups = [rest[g] for g in partition_neurons(features[rest], cfg.routed_experts, cfg.partition, seed)]
+    block = split_block(ffn, groups, shared, max(routed_k, 1), cfg.capacity_factor, cfg.compensation)
+    fit_router_and_compensation(block, x, max(routed_k, 1), cfg.ridge)
+    if cfg.shared_experts and cfg.shared_kind == "linear":
+        block = fit_linear_shared(block, x, y, routed_k, cfg.shared_experts * size)
+    if cfg.router_steps:
+        train_router(block, x, cfg.router_steps, cfg.lr, cfg.batch_tokens, seed, progress, f"router {desc}")
+    ks = tuple(cfg.routed_k(k) for k in (cfg.distill_top_k or (cfg.top_k,)))
+    before = relative_error(block, x, y, max(routed_k, 1))
+    distill(block, x, y, cfg.distill_steps, ks, cfg.lr, cfg.batch_tokens, seed, progress, f"distill {desc}")
+    block.config.top_k = routed_k if routed_k > 0 else 1
+    stats = {"groups": [g.tolist() for g in groups], "shared": shared.tolist() if shared is not None else [],
+             "calib_relative_error_before_distill": before,
+             "calib_relative_error": relative_error(block, x, y, routed_k)}
+    return block.eval(), stats
+
+
+def calibrate_model(model: nn.Module, batches: list[dict], cfg: CalibConfig, layers=None,
+                    progress: bool = True) -> list[dict]:
+    """Replace the model's FFNs (those `layers` selects) by calibrated MoE blocks, in place; returns per-layer
+    stats. FFN inputs come from one forward pass of the dense model over the calibration batches."""
+    model.eval()
+    found, skipped = find_dense_ffns(model)
+    if not found:
+        why = f" ({'; '.join(skipped)})" if skipped else ""
+        raise MoECompileError(f"no FFN found in {type(model).__name__}{why}")
+    chosen = [found[i] for i in parse_layers(layers, len(found))]
+    inputs = collect_ffn_inputs(model, [f.owner for f in chosen], batches, progress)
+    rows = []
+    for n, ffn in enumerate(tqdm(chosen, desc="calibrate", unit="layer", disable=not progress)):
+        block, stats = calibrated_block(ffn, inputs.pop(ffn.owner), cfg, cfg.seed + n, progress, ffn.owner)
+        model.set_submodule(ffn.owner, block)
+        for path in ffn.identity:
+            model.set_submodule(path, nn.Identity())
+        layout.record(model, ffn.owner, block.config, ffn.identity)
+        rows.append({"path": ffn.owner, **stats})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ quality report
+
+
+def _set_top_k(model: nn.Module, routed_k: int) -> None:
+    for m in model.modules():
+        if isinstance(m, MoEBlock):
+            m.config.top_k = routed_k
+
+
+@torch.no_grad()
+def _outputs(model: nn.Module, batches: list[dict]) -> list:
+    outs = []
+    for enc in batches:
+        out = model(**_model_kwargs(model, enc))
+        logits = getattr(out, "logits", None)
+        if logits is not None:  # decoder: per-batch summed next-token NLL and token count
+            mask = enc["attention_mask"][:, 1:].float()
+            nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), enc["input_ids"][:, 1:], reduction="none")
+            outs.append(("ppl", (nll * mask).sum().item(), mask.sum().item()))
+        else:  # encoder: mean-pooled sentence embeddings
+            h = out.last_hidden_state.float()
+            m = enc["attention_mask"].unsqueeze(-1).float()
+            outs.append(("emb", (h * m).sum(1) / m.sum(1).clamp_min(1)))
+    return outs
+
+
+def quality(model: nn.Module, dense_outs: list, batches: list[dict]) -> dict:
+    """Encoders: mean and 5th-percentile cosine of mean-pooled embeddings vs the dense model's.
+    Decoders: perplexity on the held-out text (and the dense model's)."""
+    outs = _outputs(model, batches)
+    if outs and outs[0][0] == "ppl":
+        nll, n = sum(o[1] for o in outs), sum(o[2] for o in outs)
+        dn, dc = sum(o[1] for o in dense_outs), sum(o[2] for o in dense_outs)
+        return {"perplexity": math.exp(nll / max(n, 1)), "dense_perplexity": math.exp(dn / max(dc, 1))}
+    cos = F.cosine_similarity(torch.cat([o[1] for o in outs]), torch.cat([o[1] for o in dense_outs]), dim=-1)
+    return {"mean_cosine": cos.mean().item(), "p5_cosine": torch.quantile(cos, 0.05).item()}
+
+
+def quality_curve(model: nn.Module, dense_outs: list, batches: list[dict], cfg: CalibConfig,
+                  dense_ffn_flops: int, progress: bool = True) -> list[dict]:
+    """Quality at every top_k from the shared experts' count (at least 1) to experts; restores the block k."""
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    saved = [b.config.top_k for b in blocks]
+    rows = []
+    try:
+        for k in tqdm(range(max(1, cfg.shared_experts), cfg.experts + 1), desc="evaluate top_k", unit="k",
+                      disable=not progress):
+            _set_top_k(model, cfg.routed_k(k))  # 0: the shared expert alone
+            flops = sum(ffn_flops(b.config, cfg.routed_k(k)) for b in blocks)
+            rows.append({"top_k": k, "ffn_flop_fraction": flops / dense_ffn_flops,
+                         **quality(model, dense_outs, batches)})
+    finally:
+        for b, k in zip(blocks, saved):
+            b.config.top_k = k
+    return rows
+
+
+def ffn_flops(c: MoEConfig, routed_k: int) -> int:
+    """Multiply-adds per token of the experts a token runs (shared one included; router not counted)."""
+    per_expert = c.expert_in_features * c.hidden_size + c.hidden_size * c.expert_size
+    shared = 0
+    if c.shared_expert_size:
+        sc = c.shared_config()
+        shared = sc.expert_in_features * c.hidden_size + c.hidden_size * sc.expert_size
+    return routed_k * per_expert + shared

@@ -1,0 +1,207 @@
+"""Calibrated split: block options, partitions, router fit, distillation, CLI and report (tiny random models)."""
+import json
+
+import pytest
+import torch
+
+import moecompile
+from moecompile import MoEBlock, MoECompileError, MoEConfig, calibrate as C, models
+from moecompile.cli import main
+from moecompile.convert import find_dense_ffns
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def tiny(name="tiny-bert"):
+    torch.manual_seed(0)
+    return models.load_source(name, random_init=True, progress=False).model.eval()
+
+
+def ffn_and_inputs(name="tiny-bert", n=600, seed=0):
+    model = tiny(name)
+    ffn = find_dense_ffns(model)[0][0]
+    x = torch.randn(n, ffn.hidden_size, generator=gen(seed))
+    return ffn, x
+
+
+def option_block(**kw):
+    cfg = dict(hidden_size=8, expert_size=5, num_experts=4, top_k=2, bias_in=True, bias_out="shared",
+               gate_weighting="unit", capacity_factor=0.0, router_bias=True, compensation=True, shared_expert_size=3)
+    cfg.update(kw)
+    block = MoEBlock(MoEConfig(**cfg)).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.5, generator=gen(1))
+    return block
+
+
+@pytest.mark.parametrize("kw", [{}, {"shared_linear": True}, {"gated": True}, {"gate_weighting": "router"},
+                                {"compensation": False, "shared_expert_size": 0}])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_masked_forward_equals_block_forward(kw, k):
+    block = option_block(**kw)
+    x = torch.randn(13, 8, generator=gen(2))
+    torch.testing.assert_close(C.masked_forward(block, x, k), block(x, top_k=k), atol=1e-5, rtol=1e-5)
+
+
+def test_compensation_is_added_for_skipped_experts_only():
+    block = option_block(shared_expert_size=0)
+    x = torch.randn(9, 8, generator=gen(3))
+    with torch.no_grad():
+        plain = C.with_config(block, compensation=False)(x, top_k=1)
+        ids = block.router_logits(x).topk(1, dim=1).indices.flatten()
+        skipped = block.compensation.sum(0) - block.compensation[ids]
+    torch.testing.assert_close(block(x, top_k=1), plain + skipped, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(block(x, top_k=4), C.with_config(block, compensation=False)(x, top_k=4))
+
+
+def test_top_k_zero_only_with_a_shared_expert():
+    block = option_block()
+    x = torch.randn(5, 8, generator=gen(4))
+    expected = block._shared_out(x) + block.compensation.sum(0) + block.bias
+    torch.testing.assert_close(block(x, top_k=0), expected)
+    with pytest.raises(ValueError):
+        option_block(shared_expert_size=0)(x, top_k=0)
+
+
+def test_checkpoint_round_trip_keeps_new_options(tmp_path):
+    model = tiny()
+    ffns, _ = find_dense_ffns(model)
+    cfg = C.CalibConfig(experts=4, top_k=2, shared_experts=1, distill_steps=3, batch_tokens=64)
+    batches = C.token_batches(C.ByteTokenizer(model.config.vocab_size), ["some calibration text here"] * 40, 500)
+    C.calibrate_model(model, batches, cfg, progress=False)
+    moecompile.save(model, tmp_path / "ck", progress=False)
+    loaded = moecompile.load(tmp_path / "ck", progress=False)
+    ids = torch.randint(0, 1000, (2, 7), generator=gen(5))
+    for k in (1, 2, 3):
+        C._set_top_k(model, k)
+        C._set_top_k(loaded, k)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).last_hidden_state, model(ids).last_hidden_state)
+    blocks = [m for m in loaded.modules() if isinstance(m, MoEBlock)]
+    assert blocks and all(b.config.shared_expert_size == 64 and b.config.compensation and b.config.router_bias
+                          for b in blocks)
+
+
+@pytest.mark.parametrize("name", ["tiny-bert", "tiny-gpt2"])
+def test_split_exact_at_top_k_equals_experts_without_compensation(name):
+    ffn, x = ffn_and_inputs(name)
+    groups = C.partition_neurons(C.contribution_features(ffn, x), 4, "kmeans", 0)
+    block = C.split_block(ffn, groups, None, 4, 0.0, compensation=False)
+    C.fit_router_and_compensation(block, x, 2, 1e-3)
+    torch.testing.assert_close(block(x, top_k=4), C.ffn_output(ffn, x), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["kmeans", "graph", "random", "weights"])
+def test_partitions_are_balanced_and_deterministic(method):
+    ffn, x = ffn_and_inputs()
+    feats = C.contribution_features(ffn, x)
+    a = C.partition_neurons(feats, 8, method, seed=3)
+    b = C.partition_neurons(feats, 8, method, seed=3)
+    assert [len(g) for g in a] == [32] * 8
+    assert torch.equal(torch.cat(a).sort().values, torch.arange(256))
+    assert all(torch.equal(g, h) for g, h in zip(a, b))
+
+
+def test_partition_rejects_uneven_split():
+    with pytest.raises(MoECompileError):
+        C.partition_neurons(torch.randn(10, 3), 4, "kmeans")
+
+
+def test_least_squares_router_recovers_planted_relation():
+    # experts whose deviation norms are an exact linear function of the input: the fit must reproduce it
+    h, e, n = 6, 3, 400
+    block = MoEBlock(MoEConfig(hidden_size=h, expert_size=2, num_experts=e, router_bias=True, compensation=False,
+                               gate_weighting="unit", bias_out="shared"))
+    x = torch.rand(n, h, generator=gen(6)) + 0.5
+    with torch.no_grad():  # relu-free identity-like experts: out_e = W_out_e (W_in_e x) with positive weights
+        block.experts.w_in.copy_(torch.rand(e, 2, h, generator=gen(7)))
+        block.experts.w_out.zero_()
+        block.experts.w_out[:, 0, 0] = 1.0  # ||out_e|| = gelu(w_in_e[0] . x): ~linear for large positive x
+        block.experts.w_in[:, 0] *= 20
+    C.fit_router_and_compensation(block, x, 1, ridge=1e-9, rounds=1)
+    target = C.expert_outputs(block, x).norm(dim=-1)
+    pred = block.router_logits(x)
+    assert (pred - target).abs().max() < 1e-2 * target.abs().max()
+
+
+def test_distillation_reduces_ffn_error_and_is_deterministic():
+    ffn, x = ffn_and_inputs(n=800)
+    cfg = C.CalibConfig(experts=4, top_k=1, distill_steps=60, batch_tokens=256, lr=3e-3)
+    b1, s1 = C.calibrated_block(ffn, x, cfg, seed=0, progress=False)
+    b2, s2 = C.calibrated_block(ffn, x, cfg, seed=0, progress=False)
+    assert s1["calib_relative_error"] < 0.9 * s1["calib_relative_error_before_distill"]
+    assert s1 == s2
+    for p, q in zip(b1.state_dict().values(), b2.state_dict().values()):
+        assert torch.equal(p, q)
+
+
+def test_linear_shared_expert_lowers_error_at_same_cost():
+    ffn, x = ffn_and_inputs(n=800)
+    base = C.CalibConfig(experts=4, top_k=2)
+    _, plain = C.calibrated_block(ffn, x, base, seed=0, progress=False)
+    lin = C.CalibConfig(experts=4, top_k=2, shared_experts=1, shared_kind="linear")
+    block, withlin = C.calibrated_block(ffn, x, lin, seed=0, progress=False)
+    assert block.config.shared_linear and block.config.top_k == 1
+    per_expert = C.ffn_flops(block.config, 1) - C.ffn_flops(block.config, 0)
+    assert C.ffn_flops(block.config, 0) == per_expert  # the linear map costs what one routed expert does
+    assert withlin["calib_relative_error"] < plain["calib_relative_error"]
+
+
+@pytest.mark.parametrize("kw", [dict(shared_experts=4), dict(top_k=5), dict(partition="spectral"),
+                                dict(distill_top_k=(0,)), dict(shared_kind="mlp")])
+def test_calib_config_validation(kw):
+    with pytest.raises(MoECompileError):
+        C.CalibConfig(**{"experts": 4, "top_k": 2, **kw})
+
+
+@pytest.mark.parametrize("name,metric", [("tiny-bert", "mean_cosine"), ("tiny-gpt2", "perplexity")])
+def test_cli_calibrated_split_writes_report(tmp_path, capsys, name, metric):
+    out = tmp_path / "out"
+    rc = main(["convert", name, "--random-init", "--experts", "4", "--top-k", "2", "--method", "split",
+               "--calib", "stdlib", "--calib-tokens", "600", "--shared-experts", "1", "--distill-steps", "2",
+               "--router-steps", "2", "--eval-sentences", "32", "--capacity-factor", "0", "--out", str(out),
+               "--no-progress"])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    assert (out / "report.png").stat().st_size > 0
+    assert report["calibration"]["tokens"] >= 600
+    assert report["config"]["router_steps"] == 2 and report["config"]["distill_steps"] == 2
+    assert [r["top_k"] for r in report["curve"]] == [1, 2, 3, 4]
+    assert [r["ffn_flop_fraction"] for r in report["curve"]] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert all(metric in r for r in report["curve"])
+    assert len(report["layers"]) == 2
+    for layer in report["layers"]:
+        assert layer["flop_fraction"] == pytest.approx(0.5)
+        assert len(layer["load"]) == 3 and sum(layer["load"]) == pytest.approx(1.0)
+        assert layer["calib_relative_error"] >= 0
+    assert "ffn_flop_fraction" in capsys.readouterr().out
+    assert moecompile.load(out, progress=False) is not None
+
+
+def test_cli_calib_file_and_errors(tmp_path, capsys):
+    text = tmp_path / "calib.txt"
+    text.write_text("A first paragraph of text.\n\nA second paragraph with more words in it.\n")
+    out = tmp_path / "out"
+    assert main(["convert", "tiny-bert", "--random-init", "--experts", "4", "--top-k", "2", "--method", "split",
+                 "--calib", str(text), "--calib-tokens", "50", "--eval-sentences", "0", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert json.loads((out / "report.json").read_text())["curve"] == []
+    assert main(["convert", "tiny-bert", "--random-init", "--experts", "4", "--method", "upcycle",
+                 "--calib", "stdlib", "--out", str(tmp_path / "x")]) == 2
+    assert main(["convert", "tiny-bert", "--random-init", "--experts", "4", "--method", "split",
+                 "--calib", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "y")]) == 2
+    assert "moecompile: error:" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_stdlib_corpus_splits_are_disjoint_and_deterministic():
+    from moecompile import calib_data
+
+    calib, held = calib_data.corpus("calib"), calib_data.corpus("heldout")
+    assert len(calib) > 1000 and len(held) > 100
+    assert not set(calib) & set(held)
+    assert calib == calib_data.corpus("calib")
+    assert all(6 <= len(s.split()) <= 40 for s in calib_data.sentences(held))
