@@ -113,7 +113,7 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (bench(lambda: dst.copy_(src)) * 1e-3)  # bytes read + written per second
 
 
-FFN_IN_VARIANTS = ("triton", "grouped_mm")
+FFN_IN_VARIANTS = ("triton_tma", "grouped_mm")
 
 
 def run_shape(name, d, f, e, k, tokens, copy_bw, lines, train, profile=False):
@@ -155,7 +155,7 @@ def run_shape(name, d, f, e, k, tokens, copy_bw, lines, train, profile=False):
     best_ours = min(r["ours"], r["ours_graph"])
     best_peer = min(r["hf"], r["hf_compile"])
     r["tflops"] = flops / (best_ours * 1e-3) / 1e12
-    line = (f"| {name} | {d}, {f}, {e}, {k}, {tokens} | {r['triton']:.3f} | {r['grouped_mm']:.3f} | "
+    line = (f"| {name} | {d}, {f}, {e}, {k}, {tokens} | {r['triton_tma']:.3f} | {r['grouped_mm']:.3f} | "
             f"{r['ours_graph']:.3f} | {r['hf']:.3f} | "
             f"{r['hf_compile']:.3f} | {r['bare']:.3f} | {r['tflops']:.0f} | {best_ours / r['bare']:.2f} | "
             f"{best_peer / best_ours:.2f} | {r['err']:.1e} / {r['err_hf']:.1e} |")

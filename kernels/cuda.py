@@ -1,5 +1,6 @@
-"""GPU kernels for the experts and combine ops: torch._grouped_mm for the expert GEMMs (CUTLASS on sm90), Triton
-for the fused bias + activation and the weighted combine. No host synchronisation: CUDA-graph capturable.
+"""GPU kernels for the moecompile ops: Triton top-k routing and counting-sort dispatch, the expert GEMMs as Triton
+grouped GEMMs (TMA loads, bias + activation in the epilogue) or torch._grouped_mm (CUTLASS on sm90), whichever
+measured faster for the shape, and the Triton weighted combine. No host synchronisation: CUDA-graph capturable.
 
 Rows of `experts`' output at or past offsets[-1] (dropped assignments) are left unspecified here; combine never
 reads them. Shapes grouped_mm cannot take (non-bf16, unaligned, pre-Hopper, empty) go to the reference kernels.
@@ -8,21 +9,25 @@ import os
 
 import torch
 
-from . import reference, triton_fp8, triton_moe
+from . import reference, triton_fp8, triton_moe, triton_routing
 
-# First projection: "triton" = one Triton grouped GEMM with bias + activation in its epilogue; "grouped_mm" =
-# torch._grouped_mm (CUTLASS) then the Triton activation pass; "auto" picks per shape from the measurements below.
+# First projection: "triton_tma" / "triton" = one Triton grouped GEMM with bias + activation in its epilogue, operands
+# loaded by TMA (Hopper) or by pointers; "grouped_mm" = torch._grouped_mm (CUTLASS) then the Triton activation pass;
+# "auto" picks per shape from the measurements below.
 FFN_IN = os.environ.get("MOECOMPILE_FFN_IN", "auto")
-# (hidden, expert_size, experts) -> faster first projection on an H200, from bench/results/gpu-moe-layer.md.
-# The fused kernel wins where the hidden size is large (long K loop, the activation pass then costs most);
-# unmeasured shapes use grouped_mm.
-MEASURED_FFN_IN = {(7168, 2048, 256): "triton", (768, 3072, 16): "triton", (4096, 14336, 8): "grouped_mm",
-                   (2048, 768, 128): "grouped_mm"}
+# (hidden, expert_size, experts) -> faster first projection on an H200 (bench/results/gpu-ffn-in.md): the TMA kernel
+# beat grouped_mm + activation pass by 2-5% on the first three and 27% on DeepSeek-V3's (a long K loop over many
+# small groups). Unmeasured shapes, and few rows per expert (decode), use grouped_mm.
+MEASURED_FFN_IN = {(7168, 2048, 256): "triton_tma", (768, 3072, 16): "triton_tma", (4096, 14336, 8): "triton_tma",
+                   (2048, 768, 128): "triton_tma"}
+MIN_ROWS_PER_EXPERT = 64  # below this (decode), the Triton kernels' tiles are mostly empty: measured slower
 
 
-def _ffn_in_variant(hidden: int, expert_size: int, num_experts: int) -> str:
+def _ffn_in_variant(rows: int, hidden: int, expert_size: int, num_experts: int) -> str:
     if FFN_IN != "auto":
         return FFN_IN
+    if rows < MIN_ROWS_PER_EXPERT * num_experts:
+        return "grouped_mm"
     return MEASURED_FFN_IN.get((hidden, expert_size, num_experts), "grouped_mm")
 
 
@@ -44,11 +49,49 @@ def _row_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(offsets, torch.arange(rows, device=offsets.device, dtype=offsets.dtype), right=True)
 
 
+def _routable(router_logits: torch.Tensor, top_k: int) -> bool:
+    return router_logits.is_cuda and router_logits.shape[-1] <= triton_routing.MAX_EXPERTS
+
+
+def route(router_logits, top_k: int, capacity_factor: float, renormalize: bool):
+    if not _routable(router_logits, top_k):
+        return reference.route(router_logits, top_k, capacity_factor, renormalize)
+    weights, ids = triton_routing.topk(router_logits, top_k, renormalize)
+    return reference.drop_over_capacity(weights, ids, capacity_factor, router_logits.shape[-1])
+
+
+def route_grouped(router_logits, top_k: int, capacity_factor: float, renormalize: bool, scoring: str,
+                  correction_bias, n_group: int, topk_group: int, scaling_factor: float):
+    if n_group > 1 or not _routable(router_logits, top_k):  # group-limited selection: the reference kernel
+        return reference.route_grouped(router_logits, top_k, capacity_factor, renormalize, scoring, correction_bias,
+                                       n_group, topk_group, scaling_factor)
+    weights, ids = triton_routing.topk(router_logits, top_k, renormalize, scoring, correction_bias, scaling_factor)
+    return reference.drop_over_capacity(weights, ids, capacity_factor, router_logits.shape[-1])
+
+
+def dispatch(hidden, expert_ids, num_experts: int):
+    if not hidden.is_cuda:
+        return reference.dispatch(hidden, expert_ids, num_experts)
+    return triton_routing.dispatch(hidden, expert_ids, num_experts)
+
+
+def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_factor: float, renormalize: bool,
+                   scoring: str, correction_bias, n_group: int, topk_group: int, scaling_factor: float,
+                   logits_fp32: bool):
+    logits = reference.router_logits(hidden, router_weight, router_bias, logits_fp32)
+    weights, ids = route_grouped(logits, top_k, capacity_factor, renormalize, scoring, correction_bias, n_group,
+                                 topk_group, scaling_factor)
+    return (weights, ids, *dispatch(hidden, ids, router_weight.shape[0]))
+
+
 def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     if not grouped_mm_supported(x, w_in, w_out):
         return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
-    if _ffn_in_variant(x.shape[1], w_out.shape[2], w_out.shape[0]) == "triton":
-        a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated)
+    variant = _ffn_in_variant(x.shape[0], x.shape[1], w_out.shape[2], w_out.shape[0])
+    if variant == "triton_tma" and not triton_moe.tma_supported(x, w_in):
+        variant = "triton"
+    if variant.startswith("triton"):
+        a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, tma=variant == "triton_tma")
     else:
         h = _grouped(x, w_in.transpose(-2, -1), offsets)
         a = triton_moe.expert_activation(h, offsets, b_in, activation, gated)

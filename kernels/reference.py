@@ -56,7 +56,7 @@ def route(router_logits: torch.Tensor, top_k: int, capacity_factor: float, renor
     GShard's priority), in token order inside a slot; the rest are dropped (id E, weight 0).
     """
     weights, ids = _topk(router_logits, top_k, renormalize)
-    return _drop_over_capacity(weights, ids, capacity_factor, router_logits.shape[-1])
+    return drop_over_capacity(weights, ids, capacity_factor, router_logits.shape[-1])
 
 
 def route_backward(grad_weights, router_logits, expert_ids, top_k: int, renormalize: bool):
@@ -82,7 +82,7 @@ SCORINGS = ("softmax", "sigmoid")
 _RENORM_EPS = 1e-20  # DeepSeek-V3's guard; a no-op for softmax weights
 
 
-def _drop_over_capacity(weights, ids, capacity_factor: float, num_experts: int):
+def drop_over_capacity(weights, ids, capacity_factor: float, num_experts: int):
     """Drop the assignments over capacity: admitted slot-major (every token's first choice before any second
     choice, GShard's priority), in token order inside a slot; the rest get id E and weight 0."""
     tokens, top_k = ids.shape
@@ -130,7 +130,7 @@ def route_grouped(router_logits: torch.Tensor, top_k: int, capacity_factor: floa
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + _RENORM_EPS)
-    return _drop_over_capacity(weights * scaling_factor, ids, capacity_factor, router_logits.shape[-1])
+    return drop_over_capacity(weights * scaling_factor, ids, capacity_factor, router_logits.shape[-1])
 
 
 def route_grouped_backward(grad_weights, router_logits, expert_ids, top_k: int, renormalize: bool, scoring: str,

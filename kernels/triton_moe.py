@@ -306,8 +306,68 @@ _grouped_ffn_in_tuned = triton.autotune(configs=_ffn_in_configs(),
     _grouped_ffn_in_kernel)
 
 
+def _ffn_in_tma_configs():
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4),
+                                     (128, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3))]
+
+
+@triton.jit
+def _grouped_ffn_in_tma_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows, num_experts, rows_bucket,
+                               hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               GATED: tl.constexpr, ACT: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """_grouped_ffn_in_kernel with its operands loaded by the tensor memory accelerator (Hopper TMA): whole
+    [BLOCK_M, BLOCK_K] row tiles and [BLOCK_N, BLOCK_K] weight tiles per copy. A tile may read rows of the next
+    expert's group or weight rows past this expert's width; those only reach outputs the masked store skips."""
+    live, expert, rows, rmask, pid_n = _expert_tile(offsets_ptr, n_rows, num_experts, width, E_PAD, BLOCK_M,
+                                                    BLOCK_N, GROUP_M)
+    if live:
+        in_width: tl.constexpr = 2 * width if GATED else width
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[n_rows, hidden], strides=[hidden, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * in_width, hidden], strides=[hidden, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < width
+        row0 = tl.min(rows, axis=0)
+        w_row = expert * in_width + pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            a = x_desc.load([row0, k0])
+            acc = tl.dot(a, w_desc.load([w_row, k0]).T, acc)
+            if GATED:
+                acc_up = tl.dot(a, w_desc.load([w_row + width, k0]).T, acc_up)
+        if HAS_BIAS:
+            b_row = bias_ptr + expert.to(tl.int64) * in_width
+            acc += tl.load(b_row + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(b_row + width + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        out = _activation(acc, ACT)
+        if GATED:
+            out = out * acc_up
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+_grouped_ffn_in_tma_tuned = triton.autotune(configs=_ffn_in_tma_configs(),
+                                            key=["rows_bucket", "hidden", "width", "num_experts", "GATED"])(
+    _grouped_ffn_in_tma_kernel)
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def tma_supported(x: torch.Tensor, w_in: torch.Tensor) -> bool:
+    """TMA needs Hopper or newer and 16-byte aligned row strides; the interpreter emulates it (tests)."""
+    aligned = (x.shape[1] * x.element_size()) % 16 == 0
+    return aligned and (not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
 def grouped_ffn_in(x: torch.Tensor, offsets: torch.Tensor, w_in: torch.Tensor, b_in, activation: str, gated: bool,
-                   config: dict | None = None) -> torch.Tensor:
+                   config: dict | None = None, tma: bool = False) -> torch.Tensor:
     """Fused first projection + bias + activation over rows in expert order; rows past offsets[-1] untouched.
     `config` fixes the tiles (tests, the interpreter: BLOCK_M/N/K, GROUP_M); otherwise autotuned per shape."""
     n_rows, hidden = x.shape
@@ -321,7 +381,11 @@ def grouped_ffn_in(x: torch.Tensor, offsets: torch.Tensor, w_in: torch.Tensor, b
     def grid(meta):
         return ((triton.cdiv(n_rows, meta["BLOCK_M"]) + num_experts) * triton.cdiv(width, meta["BLOCK_N"]),)
 
-    kernel = _grouped_ffn_in_kernel if config is not None else _grouped_ffn_in_tuned
+    if tma:
+        triton.set_allocator(_tma_scratch)  # descriptors built on the device need a little global scratch
+        kernel = _grouped_ffn_in_tma_kernel if config is not None else _grouped_ffn_in_tma_tuned
+    else:
+        kernel = _grouped_ffn_in_kernel if config is not None else _grouped_ffn_in_tuned
     kernel[grid](x, w_in, b_in if b_in is not None else x, offsets, out, n_rows, num_experts,
                  triton.next_power_of_2(n_rows), hidden=hidden, width=width, HAS_BIAS=b_in is not None, GATED=gated,
                  ACT=ACTIVATION_IDS[activation], E_PAD=triton.next_power_of_2(num_experts), **(config or {}))

@@ -34,7 +34,7 @@ def _bf16(*ts):
 @pytest.mark.parametrize("activation,gated", [("silu", True), ("gelu_tanh", False), ("gelu", False), ("relu", True)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0, -1.5])
-@pytest.mark.parametrize("ffn_in", ["triton", "grouped_mm"])
+@pytest.mark.parametrize("ffn_in", ["triton_tma", "triton", "grouped_mm"])
 def test_cuda_layer_matches_float32_reference(activation, gated, bias, capacity_factor, ffn_in, monkeypatch):
     monkeypatch.setattr(C, "FFN_IN", ffn_in)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -158,3 +158,17 @@ def test_fp8_kernels_match_reference(gated, bias):
     exact = R.experts(rows.float(), offsets, w_in, b_in, w_out, b_out, "silu" if gated else "gelu", gated)
     # e4m3's own error on these random weights: the float32 reference of experts_fp8 is 6.4e-2 (gated) off too
     assert _rel(got[:kept], exact[:kept]) <= 8e-2
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(4096, 8, 2), (2048, 128, 8), (1024, 256, 8), (333, 6, 6)])
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0, -1.5])
+def test_cuda_routing_matches_reference(tokens, experts, top_k, capacity_factor):
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    logits = torch.randn(tokens, experts, generator=gen, device=DEVICE)
+    weights, ids = C.route(logits, top_k, capacity_factor, True)
+    want_w, want_ids = R.route(logits, top_k, capacity_factor, True)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
+    x = torch.randn(tokens, 64, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+    for name, got, want in zip(("rows", "order", "offsets"), C.dispatch(x, ids, experts), R.dispatch(x, ids, experts)):
+        assert torch.equal(got, want), name

@@ -87,9 +87,10 @@ def test_combine_backward_and_gather_sum_match_reference():
                                R.dispatch_backward(grad_sorted, order, tokens, top_k), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("activation,gated,bias", [("silu", True, False), ("gelu_tanh", False, True),
                                                    ("relu", True, True), ("gelu", False, False)])
-def test_grouped_ffn_in_matches_reference(activation, gated, bias):
+def test_grouped_ffn_in_matches_reference(activation, gated, bias, tma):
     gen = torch.Generator().manual_seed(5)
     counts = [20, 0, 9, 3]  # empty expert, groups not multiples of the tile, 4 dropped rows after
     offsets = _offsets(counts)
@@ -98,7 +99,7 @@ def test_grouped_ffn_in_matches_reference(activation, gated, bias):
     w_in = torch.randn(4, 2 * width if gated else width, hidden, generator=gen) * 0.3
     b_in = torch.randn(4, w_in.shape[1], generator=gen) if bias else None
     got = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated,
-                                    config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2})
+                                    config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, tma=tma)
     kept = int(offsets[-1])
     expert = torch.searchsorted(offsets, torch.arange(kept, dtype=torch.int32), right=True)
     h = torch.einsum("rh,rfh->rf", x[:kept], w_in[expert])

@@ -1,0 +1,153 @@
+"""FP8 expert-GEMM options on the dispatched rows of one MoE layer (issue 3: "chosen by measurement").
+
+On the device:  python bench/fp8_gemm.py --out bench/results/gpu-fp8-gemm.md
+
+Same rows, same weights, median ms of the expert FFN (both projections + activation + requantisation):
+- bf16:          moecompile's bf16 experts kernel (torch._grouped_mm + Triton activation, or the fused Triton GEMM);
+- block triton:  Triton block-scaled FP8 grouped GEMMs (weights 128x128, activations 1x128), each tile config;
+- rowwise:       torch._scaled_grouped_mm (CUTLASS, sm90) with per-output-channel weight scales and per-token
+                 activation scales, the weights requantised from the 128x128 blocks; bare = the two GEMMs alone.
+err: relative Frobenius error of the output against the bf16 kernel's.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+import torch
+
+SHAPES = {"mixtral": (4096, 14336, 8, 2, 4096), "deepseek-v3": (7168, 2048, 256, 8, 4096)}
+TRITON_CONFIGS = [(bm, w, s) for bm in (64, 128) for w in (4, 8) for s in (3, 4, 5)]
+
+
+def ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def rowwise_quant(x):
+    """Per row: (fp8, float32 scale_inv [rows])."""
+    amax = x.float().abs().amax(-1).clamp_min(1e-12)
+    scale = amax / 448.0
+    return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def run(name, d, f, e, k, tokens, lines):
+    from moecompile import ops
+    from moecompile.fp8 import dequantize_blocks, quantize_blocks
+    from moecompile.kernels import cuda, triton_fp8
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    w_in = torch.randn(e, 2 * f, d, generator=g, device=dev, dtype=torch.bfloat16) * d ** -0.5
+    w_out = torch.randn(e, d, f, generator=g, device=dev, dtype=torch.bfloat16) * f ** -0.5
+    router = torch.randn(e, d, generator=g, device=dev, dtype=torch.bfloat16) * d ** -0.5
+    x = torch.randn(tokens, d, generator=g, device=dev, dtype=torch.bfloat16)
+    _, ids = ops.route(x @ router.t(), k, 0.0, True)
+    rows, _, offsets = ops.dispatch(x, ids, e)
+    n = rows.shape[0]
+    flops = 6 * n * d * f
+    wi_q, wi_s = quantize_blocks(w_in)
+    wo_q, wo_s = quantize_blocks(w_out)
+
+    def tf(t):
+        return flops / t / 1e9
+
+    y_bf16 = cuda.experts(rows, offsets, w_in, None, w_out, None, "silu", True)
+    t_bf16 = ms(lambda: cuda.experts(rows, offsets, w_in, None, w_out, None, "silu", True))
+    lines.append(f"| {name} | bf16 experts | {t_bf16:.3f} | {tf(t_bf16):.0f} | 1.00 | - |")
+
+    def block(config=None):
+        xq, xs = triton_fp8.quantize_rows(rows)
+        return triton_fp8.experts_fp8(xq, xs, offsets, wi_q, wi_s, None, wo_q, wo_s, None, "silu", True,
+                                      torch.bfloat16, config)
+
+    err = rel(block(), y_bf16)
+    t = ms(block)
+    lines.append(f"| {name} | block triton (autotuned) | {t:.3f} | {tf(t):.0f} | {t_bf16 / t:.2f} | {err:.1e} |")
+    for bm, w, s in TRITON_CONFIGS:
+        cfg = {"BLOCK_M": bm, "GROUP_M": 8, "num_warps": w, "num_stages": s}
+        try:
+            t = ms(lambda: block(cfg))
+            lines.append(f"| {name} | block triton BM{bm} w{w} s{s} | {t:.3f} | {tf(t):.0f} | {t_bf16 / t:.2f} | |")
+        except Exception as ex:  # e.g. out of shared memory
+            lines.append(f"| {name} | block triton BM{bm} w{w} s{s} | failed: {str(ex).splitlines()[0][:60]} | | | |")
+        print(lines[-1], flush=True)
+
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        lines.append(f"| {name} | rowwise | torch._scaled_grouped_mm missing | | | |")
+        return
+    # per-output-channel weights, requantised from the block-scaled ones (what a block checkpoint would give)
+    wi_r, wi_rs = rowwise_quant(dequantize_blocks(wi_q, wi_s, dtype=torch.float32))
+    wo_r, wo_rs = rowwise_quant(dequantize_blocks(wo_q, wo_s, dtype=torch.float32))
+    offs = offsets.to(torch.int32)
+    for fast in (False, True):
+        def gemm1(xq, xs):
+            return torch._scaled_grouped_mm(xq, wi_r.transpose(-2, -1), xs, wi_rs, offs=offs,
+                                            out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+        def gemm2(aq, as_):
+            return torch._scaled_grouped_mm(aq, wo_r.transpose(-2, -1), as_, wo_rs, offs=offs,
+                                            out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+        def chain():
+            xq, xs = rowwise_quant(rows)
+            h = gemm1(xq, xs)
+            a = torch.nn.functional.silu(h[:, :f]) * h[:, f:]
+            aq, as_ = rowwise_quant(a)
+            return gemm2(aq, as_)
+
+        try:
+            err = rel(chain(), y_bf16)
+            xq, xs = rowwise_quant(rows)
+            h = gemm1(xq, xs)
+            aq, as_ = rowwise_quant(torch.nn.functional.silu(h[:, :f]) * h[:, f:])
+            t1, t2 = ms(lambda: gemm1(xq, xs)), ms(lambda: gemm2(aq, as_))
+            t = ms(chain)
+            lines.append(f"| {name} | rowwise scaled_grouped_mm fast_accum={fast}: bare GEMMs | {t1 + t2:.3f} | "
+                         f"{tf(t1 + t2):.0f} | {t_bf16 / (t1 + t2):.2f} | {err:.1e} |")
+            lines.append(f"| {name} | rowwise, with torch quant/act (unfused) | {t:.3f} | {tf(t):.0f} | "
+                         f"{t_bf16 / t:.2f} | |")
+        except Exception as ex:
+            lines.append(f"| {name} | rowwise fast_accum={fast} | failed: {str(ex).splitlines()[0][:80]} | | | |")
+        print(lines[-2:], flush=True)
+    # bare bf16 GEMMs on the same rows, for scale
+    h = torch._grouped_mm(rows, w_in.transpose(-2, -1), offs=offs)
+    a = torch.nn.functional.silu(h[:, :f]) * h[:, f:]
+    tb = ms(lambda: torch._grouped_mm(rows, w_in.transpose(-2, -1), offs=offs)) + ms(
+        lambda: torch._grouped_mm(a, w_out.transpose(-2, -1), offs=offs))
+    lines.append(f"| {name} | bf16 bare grouped_mm GEMMs | {tb:.3f} | {tf(tb):.0f} | {t_bf16 / tb:.2f} | |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    a = p.parse_args(argv)
+    start = time.time()
+    lines = []
+    for name in a.shapes.split(","):
+        run(name, *SHAPES[name], lines)
+        torch.cuda.empty_cache()
+    text = "\n".join([
+        "# FP8 expert GEMM options (moecompile, issue 3)", "",
+        f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, python {platform.python_version()}.",
+        f"Command: `python bench/{' '.join(['fp8_gemm.py'] + (sys.argv[1:] if argv is None else list(argv)))}` "
+        f"({time.time() - start:.0f} s).", "",
+        (__doc__.split("\n\n", 2)[2]).strip(), "",
+        "| shape | variant | ms | TF/s | speedup vs bf16 | err vs bf16 |", "|---|---|---|---|---|---|", *lines]) + "\n"
+    print(text)
+    if a.out:
+        with open(a.out, "w") as fh:
+            fh.write(text)
+
+
+if __name__ == "__main__":
+    main()

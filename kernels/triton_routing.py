@@ -1,0 +1,133 @@
+"""Triton kernels for routing and dispatch: top-k over the router scores, and the stable counting sort of the
+assignments by expert with the token rows copied into expert order. No host synchronisation, no radix sort.
+
+Layout as in kernels/reference.py: assignment a = token * k + slot; dispatch orders the assignments by expert,
+token order inside an expert, dropped ones (id E) last; offsets are the groups' cumulative ends.
+They run on CUDA and, for testing, on CPU under TRITON_INTERPRET=1.
+"""
+import torch
+import triton
+import triton.language as tl
+
+SCORING_IDS = {"softmax": 0, "sigmoid": 1}
+MAX_EXPERTS = 1024  # one token's scores live in registers
+_RANK_TILE = 16384  # assignments x bins per program of the rank kernel (one-hot cumsum in registers)
+
+
+@triton.jit
+def _topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, tokens, num_experts, scaling,
+                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                 SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    """Per token: scores (softmax or sigmoid), the top_k by score + bias (lowest id first on ties), their scores
+    (without the bias), optionally renormalised to sum to 1, times scaling."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, E_PAD)
+    tmask = tok < tokens
+    emask = e < num_experts
+    x = tl.load(logits_ptr + tok[:, None].to(tl.int64) * num_experts + e[None, :],
+                mask=tmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
+    x = tl.where(emask[None, :], x, float("-inf"))
+    if SCORING == 0:
+        p = tl.exp(x - tl.max(x, axis=1)[:, None])
+        scores = p / tl.sum(p, axis=1)[:, None]
+    else:
+        scores = tl.sigmoid(x)
+    choice = scores
+    if HAS_BIAS:
+        choice += tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32)[None, :]
+    choice = tl.where(emask[None, :], choice, float("-inf"))
+    slot = tl.arange(0, K_PAD)
+    top_w = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    top_id = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=1)
+        pick = tl.min(tl.where(choice == best[:, None], e[None, :], E_PAD), axis=1)
+        hit = e[None, :] == pick[:, None]
+        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        choice = tl.where(hit, float("-inf"), choice)
+        top_w = tl.where(slot[None, :] == j, w[:, None], top_w)
+        top_id = tl.where(slot[None, :] == j, pick[:, None], top_id)
+    if RENORM:
+        top_w = top_w / (tl.sum(top_w, axis=1)[:, None] + 1e-20)
+    out = tok[:, None].to(tl.int64) * TOP_K + slot[None, :]
+    smask = tmask[:, None] & (slot[None, :] < TOP_K)
+    tl.store(weights_ptr + out, top_w * scaling, mask=smask)
+    tl.store(ids_ptr + out, top_id.to(tl.int64), mask=smask)
+
+
+def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
+         correction_bias: torch.Tensor | None = None, scaling_factor: float = 1.0):
+    """(weights [T, k] float32, ids [T, k] int64) as kernels/reference.py's route_grouped with one expert group."""
+    tokens, num_experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if tokens == 0:
+        return weights, ids
+    e_pad = triton.next_power_of_2(num_experts)
+    block_t = max(1, min(64, 4096 // e_pad))
+    logits = router_logits.contiguous()
+    _topk_kernel[(triton.cdiv(tokens, block_t),)](
+        logits, correction_bias if correction_bias is not None else logits, weights, ids, tokens, num_experts,
+        float(scaling_factor), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
+        SCORING=SCORING_IDS[scoring], HAS_BIAS=correction_bias is not None, RENORM=renormalize)
+    return weights, ids
+
+
+@triton.jit
+def _rank_kernel(ids_ptr, rank_ptr, counts_ptr, n, num_bins, BLOCK: tl.constexpr, B_PAD: tl.constexpr):
+    """For a block of assignments: each one's rank among the block's assignments to the same expert (in order),
+    and the block's count per expert (bin E holds the dropped ones)."""
+    a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bins = tl.arange(0, B_PAD)
+    e = tl.load(ids_ptr + a, mask=a < n, other=-1).to(tl.int32)
+    onehot = (e[:, None] == bins[None, :]).to(tl.int32)
+    running = tl.cumsum(onehot, axis=0)
+    tl.store(rank_ptr + a, tl.sum(onehot * running, axis=1) - 1, mask=a < n)
+    tl.store(counts_ptr + tl.program_id(0) * num_bins + bins, tl.sum(onehot, axis=0), mask=bins < num_bins)
+
+
+@triton.jit
+def _scatter_rows_kernel(x_ptr, ids_ptr, rank_ptr, base_ptr, order_ptr, rows_ptr, n, num_bins, hidden: tl.constexpr,
+                         TOP_K: tl.constexpr, RANK_BLOCK: tl.constexpr, BLOCK_A: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
+    """Sorted position of each assignment = its expert's start + the earlier blocks' count + its rank; writes
+    order[pos] = a and copies the token's row to rows[pos]."""
+    a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
+    amask = a < n
+    e = tl.load(ids_ptr + a, mask=amask, other=0).to(tl.int32)
+    pos = tl.load(base_ptr + (a // RANK_BLOCK) * num_bins + e, mask=amask, other=0) + \
+        tl.load(rank_ptr + a, mask=amask, other=0)
+    tl.store(order_ptr + pos, a.to(tl.int64), mask=amask)
+    src = x_ptr + (a // TOP_K).to(tl.int64)[:, None] * hidden
+    dst = rows_ptr + pos.to(tl.int64)[:, None] * hidden
+    for h0 in range(0, hidden, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        m = amask[:, None] & (cols < hidden)[None, :]
+        tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=m), mask=m)
+
+
+def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
+    """(sorted rows [T*k, H], order [T*k] int64, offsets [E] int32) as kernels/reference.py's dispatch."""
+    tokens, top_k = expert_ids.shape
+    n, width = tokens * top_k, hidden.shape[1]
+    rows = hidden.new_empty(n, width)
+    order = torch.empty(n, dtype=torch.int64, device=hidden.device)
+    if n == 0:
+        return rows, order, torch.zeros(num_experts, dtype=torch.int32, device=hidden.device)
+    num_bins = num_experts + 1  # the last bin: dropped assignments (id E), sorted after every group
+    b_pad = triton.next_power_of_2(num_bins)
+    rank_block = max(1, _RANK_TILE // b_pad)
+    blocks = triton.cdiv(n, rank_block)
+    ids = expert_ids.reshape(-1).contiguous()
+    rank = torch.empty(n, dtype=torch.int32, device=hidden.device)
+    counts = torch.empty(blocks, num_bins, dtype=torch.int32, device=hidden.device)
+    _rank_kernel[(blocks,)](ids, rank, counts, n, num_bins, BLOCK=rank_block, B_PAD=b_pad)
+    totals = counts.sum(0, dtype=torch.int32)
+    ends = totals.cumsum(0, dtype=torch.int32)
+    # base[b, e]: where expert e's group starts + the assignments to e in the blocks before b
+    base = counts.cumsum(0, dtype=torch.int32) - counts + (ends - totals)
+    block_a = 32
+    _scatter_rows_kernel[(triton.cdiv(n, block_a),)](
+        hidden.contiguous(), ids, rank, base, order, rows, n, num_bins, hidden=width, TOP_K=top_k, RANK_BLOCK=rank_block,
+        BLOCK_A=block_a, BLOCK_H=min(256, triton.next_power_of_2(width)))
+    return rows, order, ends[:num_experts].contiguous()

@@ -1,0 +1,56 @@
+"""Triton routing kernels (top-k, counting-sort dispatch) against the reference, on CPU through TRITON_INTERPRET=1."""
+import pytest
+import torch
+
+from moecompile.kernels import reference as R
+from moecompile.kernels import triton_routing as TR
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(37, 8, 2), (50, 128, 8), (9, 6, 6), (5, 3, 1), (1, 16, 4)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_topk_matches_reference_route(tokens, experts, top_k, renormalize):
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens + experts))
+    weights, ids = TR.topk(logits, top_k, renormalize)
+    want_w, want_ids = R.route(logits, top_k, 0.0, renormalize)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
+
+
+def test_topk_sigmoid_bias_scaling_matches_route_grouped():
+    gen = torch.Generator().manual_seed(4)
+    logits, bias = torch.randn(23, 12, generator=gen), torch.randn(12, generator=gen)
+    weights, ids = TR.topk(logits, 3, True, "sigmoid", bias, 2.5)
+    want_w, want_ids = R.route_grouped(logits, 3, 0.0, True, "sigmoid", bias, 1, 1, 2.5)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
+
+
+def test_topk_all_tokens_to_one_expert():
+    logits = torch.randn(10, 5, generator=torch.Generator().manual_seed(5))
+    logits[:, 3] += 100.0
+    _, ids = TR.topk(logits, 2, True)
+    assert (ids[:, 0] == 3).all()
+
+
+def _check_dispatch(x, ids, experts):
+    got, want = TR.dispatch(x, ids, experts), R.dispatch(x, ids, experts)
+    for name, g, w in zip(("rows", "order", "offsets"), got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w), name
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(37, 8, 2), (60, 128, 8), (9, 6, 6), (13, 5, 1)])
+def test_dispatch_matches_reference(tokens, experts, top_k):
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids[::4, -1] = experts  # dropped by capacity: sorted after every group
+    _check_dispatch(torch.randn(tokens, 24, generator=gen), ids, experts)  # 60 x 8 rows: several rank blocks
+
+
+def test_dispatch_edge_cases():
+    x = torch.randn(11, 20)
+    _check_dispatch(x, torch.full((11, 2), 1), 4)  # everything to one expert, the others empty
+    ids = torch.tensor([[0, 1, 2]] * 11)  # k = E
+    _check_dispatch(x, ids, 3)
+    _check_dispatch(x, torch.full((11, 1), 4), 4)  # everything dropped
+    rows, order, offsets = TR.dispatch(x[:0], torch.zeros(0, 2, dtype=torch.int64), 4)
+    assert rows.shape == (0, 20) and order.shape == (0,) and torch.equal(offsets, torch.zeros(4, dtype=torch.int32))
