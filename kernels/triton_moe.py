@@ -150,7 +150,7 @@ def _combine_kernel(y_ptr, row_of_ptr, w_ptr, out_ptr, tokens, hidden, stride_y,
     tmask = tok < tokens
     cmask = cols < hidden
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-    for j in range(TOP_K):
+    for j in tl.static_range(TOP_K):  # unrolled: the k row loads are in flight together
         w = tl.load(w_ptr + tok * TOP_K + j, mask=tmask, other=0.0)
         row = tl.load(row_of_ptr + tok * TOP_K + j, mask=tmask, other=0)
         keep = tmask & (w != 0.0)  # dropped assignments' rows are never read
@@ -189,7 +189,7 @@ def _combine_backward_kernel(grad_out_ptr, y_ptr, row_of_ptr, w_ptr, grad_rows_p
         row = tl.load(row_of_ptr + tok * TOP_K + j, mask=tmask, other=0).to(tl.int64)
         keep = tmask & (w != 0.0)
         dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for h0 in range(0, hidden, BLOCK_H):  # hidden is a constexpr (one compile per model width): the interpreter needs it
+        for h0 in range(0, hidden, BLOCK_H):  # constexpr hidden: the interpreter needs it
             cols = h0 + tl.arange(0, BLOCK_H)
             cmask = cols < hidden
             g = tl.load(grad_out_ptr + tok[:, None].to(tl.int64) * hidden + cols[None, :],

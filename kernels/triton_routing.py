@@ -76,26 +76,26 @@ def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: st
 @triton.jit
 def _rank_kernel(ids_ptr, rank_ptr, counts_ptr, n, num_bins, BLOCK: tl.constexpr, B_PAD: tl.constexpr):
     """For a block of assignments: each one's rank among the block's assignments to the same expert (in order),
-    and the block's count per expert (bin E holds the dropped ones)."""
+    and the block's count per expert (bin E holds the dropped ones), stored expert-major: counts[bin, block]."""
     a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     bins = tl.arange(0, B_PAD)
     e = tl.load(ids_ptr + a, mask=a < n, other=-1).to(tl.int32)
     onehot = (e[:, None] == bins[None, :]).to(tl.int32)
     running = tl.cumsum(onehot, axis=0)
     tl.store(rank_ptr + a, tl.sum(onehot * running, axis=1) - 1, mask=a < n)
-    tl.store(counts_ptr + tl.program_id(0) * num_bins + bins, tl.sum(onehot, axis=0), mask=bins < num_bins)
+    tl.store(counts_ptr + bins * tl.num_programs(0) + tl.program_id(0), tl.sum(onehot, axis=0), mask=bins < num_bins)
 
 
 @triton.jit
-def _scatter_rows_kernel(x_ptr, ids_ptr, rank_ptr, base_ptr, order_ptr, rows_ptr, n, num_bins, hidden: tl.constexpr,
-                         TOP_K: tl.constexpr, RANK_BLOCK: tl.constexpr, BLOCK_A: tl.constexpr,
+def _scatter_rows_kernel(x_ptr, ids_ptr, rank_ptr, base_ptr, order_ptr, rows_ptr, n, num_blocks,
+                         hidden: tl.constexpr, TOP_K: tl.constexpr, RANK_BLOCK: tl.constexpr, BLOCK_A: tl.constexpr,
                          BLOCK_H: tl.constexpr):
     """Sorted position of each assignment = its expert's start + the earlier blocks' count + its rank; writes
     order[pos] = a and copies the token's row to rows[pos]."""
     a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
     amask = a < n
     e = tl.load(ids_ptr + a, mask=amask, other=0).to(tl.int32)
-    pos = tl.load(base_ptr + (a // RANK_BLOCK) * num_bins + e, mask=amask, other=0) + \
+    pos = tl.load(base_ptr + e * num_blocks + a // RANK_BLOCK, mask=amask, other=0) + \
         tl.load(rank_ptr + a, mask=amask, other=0)
     tl.store(order_ptr + pos, a.to(tl.int64), mask=amask)
     src = x_ptr + (a // TOP_K).to(tl.int64)[:, None] * hidden
@@ -120,14 +120,16 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
     blocks = triton.cdiv(n, rank_block)
     ids = expert_ids.reshape(-1).contiguous()
     rank = torch.empty(n, dtype=torch.int32, device=hidden.device)
-    counts = torch.empty(blocks, num_bins, dtype=torch.int32, device=hidden.device)
+    counts = torch.empty(num_bins, blocks, dtype=torch.int32, device=hidden.device)
     _rank_kernel[(blocks,)](ids, rank, counts, n, num_bins, BLOCK=rank_block, B_PAD=b_pad)
-    totals = counts.sum(0, dtype=torch.int32)
+    # per expert, a scan over the blocks (the inner dim: torch's outer-dim scan measured 180 us at 1024 x 129)
+    running = counts.cumsum(1, dtype=torch.int32)
+    totals = running[:, -1]
     ends = totals.cumsum(0, dtype=torch.int32)
-    # base[b, e]: where expert e's group starts + the assignments to e in the blocks before b
-    base = counts.cumsum(0, dtype=torch.int32) - counts + (ends - totals)
+    # base[e, b]: where expert e's group starts + the assignments to e in the blocks before b
+    base = running - counts + (ends - totals).unsqueeze(1)
     block_a = 32
     _scatter_rows_kernel[(triton.cdiv(n, block_a),)](
-        hidden.contiguous(), ids, rank, base, order, rows, n, num_bins, hidden=width, TOP_K=top_k, RANK_BLOCK=rank_block,
-        BLOCK_A=block_a, BLOCK_H=min(256, triton.next_power_of_2(width)))
+        hidden.contiguous(), ids, rank, base, order, rows, n, blocks, hidden=width, TOP_K=top_k,
+        RANK_BLOCK=rank_block, BLOCK_A=block_a, BLOCK_H=min(256, triton.next_power_of_2(width)))
     return rows, order, ends[:num_experts].contiguous()
