@@ -7,7 +7,7 @@ Tokens are batch x seq_len (seq_len 1024 by default, so that attention stays a s
 compiled variant is static-shaped (dynamic=False) and compiled once per token count; each output is checked
 against HF eager before timing. The table goes to stdout and to --out.
 
-GPU run (bf16):   python bench/compile.py --out bench/results/compile-h200.md
+GPU run (bf16):   python bench/compile.py --models qwen3-moe-like --out bench/results/compile-h200-qwen3.md
 CPU smoke test:   python bench/compile.py --tiny --no-hf-inductor --out /tmp/compile-tiny.md
 """
 from __future__ import annotations
