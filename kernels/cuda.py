@@ -20,15 +20,19 @@ FFN_IN = os.environ.get("MOECOMPILE_FFN_IN", "auto")
 # small groups). Unmeasured shapes, and few rows per expert (decode), use grouped_mm.
 MEASURED_FFN_IN = {(7168, 2048, 256): "triton_tma", (768, 3072, 16): "triton_tma", (4096, 14336, 8): "triton_tma",
                    (2048, 768, 128): "triton_tma"}
+# Second projection: "grouped_mm" (CUTLASS) or "triton_tma" (the same Triton kernel without an activation, bias in
+# its epilogue); "auto" uses MEASURED_FFN_OUT, else grouped_mm.
+FFN_OUT = os.environ.get("MOECOMPILE_FFN_OUT", "auto")
+MEASURED_FFN_OUT: dict[tuple[int, int, int], str] = {}
 MIN_ROWS_PER_EXPERT = 64  # below this (decode), the Triton kernels' tiles are mostly empty: measured slower
 
 
-def _ffn_in_variant(rows: int, hidden: int, expert_size: int, num_experts: int) -> str:
-    if FFN_IN != "auto":
-        return FFN_IN
+def _variant(choice: str, measured: dict, rows: int, hidden: int, expert_size: int, num_experts: int) -> str:
+    if choice != "auto":
+        return choice
     if rows < MIN_ROWS_PER_EXPERT * num_experts:
         return "grouped_mm"
-    return MEASURED_FFN_IN.get((hidden, expert_size, num_experts), "grouped_mm")
+    return measured.get((hidden, expert_size, num_experts), "grouped_mm")
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -87,14 +91,16 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
 def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     if not grouped_mm_supported(x, w_in, w_out):
         return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
-    variant = _ffn_in_variant(x.shape[0], x.shape[1], w_out.shape[2], w_out.shape[0])
-    if variant == "triton_tma" and not triton_moe.tma_supported(x, w_in):
-        variant = "triton"
+    shape = (x.shape[0], x.shape[1], w_out.shape[2], w_out.shape[0])
+    tma = triton_moe.tma_supported(x, w_in)
+    variant = _variant(FFN_IN, MEASURED_FFN_IN, *shape)
     if variant.startswith("triton"):
-        a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, tma=variant == "triton_tma")
+        a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, tma=tma and variant == "triton_tma")
     else:
         h = _grouped(x, w_in.transpose(-2, -1), offsets)
         a = triton_moe.expert_activation(h, offsets, b_in, activation, gated)
+    if _variant(FFN_OUT, MEASURED_FFN_OUT, *shape) == "triton_tma" and tma:
+        return triton_moe.grouped_ffn_in(a, offsets, w_out, b_out, None, False, tma=True)
     y = _grouped(a, w_out.transpose(-2, -1), offsets)
     if b_out is not None:
         rows = _row_expert(offsets, y.shape[0]).clamp_max(w_out.shape[0] - 1)

@@ -294,7 +294,9 @@ def _grouped_ffn_in_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows,
             acc += tl.load(b_row + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             if GATED:
                 acc_up += tl.load(b_row + width + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        out = _activation(acc, ACT)
+        out = acc
+        if ACT >= 0:  # -1: no activation (the second projection)
+            out = _activation(acc, ACT)
         if GATED:
             out = out * acc_up
         tl.store(out_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
@@ -344,7 +346,9 @@ def _grouped_ffn_in_tma_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_r
             acc += tl.load(b_row + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             if GATED:
                 acc_up += tl.load(b_row + width + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        out = _activation(acc, ACT)
+        out = acc
+        if ACT >= 0:  # -1: no activation (the second projection)
+            out = _activation(acc, ACT)
         if GATED:
             out = out * acc_up
         tl.store(out_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
@@ -369,7 +373,8 @@ def tma_supported(x: torch.Tensor, w_in: torch.Tensor) -> bool:
 def grouped_ffn_in(x: torch.Tensor, offsets: torch.Tensor, w_in: torch.Tensor, b_in, activation: str, gated: bool,
                    config: dict | None = None, tma: bool = False) -> torch.Tensor:
     """Fused first projection + bias + activation over rows in expert order; rows past offsets[-1] untouched.
-    `config` fixes the tiles (tests, the interpreter: BLOCK_M/N/K, GROUP_M); otherwise autotuned per shape."""
+    `config` fixes the tiles (tests, the interpreter: BLOCK_M/N/K, GROUP_M); otherwise autotuned per shape.
+    With activation None it is a plain projection x W^T + b (the second one)."""
     n_rows, hidden = x.shape
     num_experts, in_width, _ = w_in.shape
     width = in_width // 2 if gated else in_width
@@ -388,5 +393,6 @@ def grouped_ffn_in(x: torch.Tensor, offsets: torch.Tensor, w_in: torch.Tensor, b
         kernel = _grouped_ffn_in_kernel if config is not None else _grouped_ffn_in_tuned
     kernel[grid](x, w_in, b_in if b_in is not None else x, offsets, out, n_rows, num_experts,
                  triton.next_power_of_2(n_rows), hidden=hidden, width=width, HAS_BIAS=b_in is not None, GATED=gated,
-                 ACT=ACTIVATION_IDS[activation], E_PAD=triton.next_power_of_2(num_experts), **(config or {}))
+                 ACT=ACTIVATION_IDS[activation] if activation else -1, E_PAD=triton.next_power_of_2(num_experts),
+                 **(config or {}))
     return out

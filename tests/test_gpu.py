@@ -34,9 +34,12 @@ def _bf16(*ts):
 @pytest.mark.parametrize("activation,gated", [("silu", True), ("gelu_tanh", False), ("gelu", False), ("relu", True)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0, -1.5])
-@pytest.mark.parametrize("ffn_in", ["triton_tma", "triton", "grouped_mm"])
-def test_cuda_layer_matches_float32_reference(activation, gated, bias, capacity_factor, ffn_in, monkeypatch):
+@pytest.mark.parametrize("ffn_in,ffn_out", [("triton_tma", "grouped_mm"), ("triton", "grouped_mm"),
+                                             ("grouped_mm", "grouped_mm"), ("triton_tma", "triton_tma")])
+def test_cuda_layer_matches_float32_reference(activation, gated, bias, capacity_factor, ffn_in, ffn_out,
+                                              monkeypatch):
     monkeypatch.setattr(C, "FFN_IN", ffn_in)
+    monkeypatch.setattr(C, "FFN_OUT", ffn_out)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     tokens, e, k, h, i = 1000, 8, 2, 256, 512
     w_in, b_in, w_out, b_out = _weights(e, h, i, gated, bias, gen)

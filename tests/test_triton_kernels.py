@@ -88,6 +88,20 @@ def test_combine_backward_and_gather_sum_match_reference():
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_grouped_projection_without_activation(tma):
+    """activation None: the plain second projection x W^T + b per expert group (rows past the groups untouched)."""
+    gen = torch.Generator().manual_seed(6)
+    offsets = _offsets([7, 0, 18, 2])
+    x = torch.randn(30, 40, generator=gen)
+    w, b = torch.randn(4, 24, 40, generator=gen), torch.randn(4, 24, generator=gen)
+    got = triton_moe.grouped_ffn_in(x, offsets, w, b, None, False,
+                                    config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, tma=tma)
+    expert = torch.searchsorted(offsets, torch.arange(27, dtype=torch.int32), right=True)
+    torch.testing.assert_close(got[:27], torch.einsum("rh,rfh->rf", x[:27], w[expert]) + b[expert],
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("activation,gated,bias", [("silu", True, False), ("gelu_tanh", False, True),
                                                    ("relu", True, True), ("gelu", False, False)])
 def test_grouped_ffn_in_matches_reference(activation, gated, bias, tma):
