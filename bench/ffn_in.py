@@ -6,7 +6,7 @@ Variants, same rows (random router, dropless) and weights, median ms of act(x W_
 - grouped_mm:   torch._grouped_mm (CUTLASS) then moecompile's Triton activation pass;
 - triton:       moecompile's Triton grouped GEMM with the activation in its epilogue, pointer loads, autotuned;
 - triton tma:   the same with tensor-memory-accelerator loads, autotuned, then each of its tile configs.
-The winner per shape goes into kernels/cuda.py's MEASURED_FFN_IN.
+The winner per shape goes into kernels/cuda.py's MEASURED (with the second projection's choice from bench/moe_layer.py).
 """
 from __future__ import annotations
 

@@ -11,28 +11,25 @@ import torch
 
 from . import reference, triton_fp8, triton_moe, triton_routing
 
-# First projection: "triton_tma" / "triton" = one Triton grouped GEMM with bias + activation in its epilogue, operands
-# loaded by TMA (Hopper) or by pointers; "grouped_mm" = torch._grouped_mm (CUTLASS) then the Triton activation pass;
-# "auto" picks per shape from the measurements below.
+# Expert GEMM kernels per projection: "triton_tma" / "triton" = a Triton grouped GEMM with bias (+ activation, first
+# projection) in its epilogue, operands loaded by TMA (Hopper) or by pointers; "grouped_mm" = torch._grouped_mm
+# (CUTLASS), after the first projection a one-pass Triton activation. "auto" takes the measured choice below.
 FFN_IN = os.environ.get("MOECOMPILE_FFN_IN", "auto")
-# (hidden, expert_size, experts) -> faster first projection on an H200 (bench/results/gpu-ffn-in.md): the TMA kernel
-# beat grouped_mm + activation pass by 2-5% on the first three and 27% on DeepSeek-V3's (a long K loop over many
-# small groups). Unmeasured shapes, and few rows per expert (decode), use grouped_mm.
-MEASURED_FFN_IN = {(7168, 2048, 256): "triton_tma", (768, 3072, 16): "triton_tma", (4096, 14336, 8): "triton_tma",
-                   (2048, 768, 128): "triton_tma"}
-# Second projection: "grouped_mm" (CUTLASS) or "triton_tma" (the same Triton kernel without an activation, bias in
-# its epilogue); "auto" uses MEASURED_FFN_OUT, else grouped_mm.
 FFN_OUT = os.environ.get("MOECOMPILE_FFN_OUT", "auto")
-MEASURED_FFN_OUT: dict[tuple[int, int, int], str] = {}
-MIN_ROWS_PER_EXPERT = 64  # below this (decode), the Triton kernels' tiles are mostly empty: measured slower
+# (hidden, expert_size, experts, regime) -> (first, second projection): the fastest pair on an H200 in
+# bench/results/gpu-moe-layer.md (regime "decode": under 64 rows per expert). Unmeasured shapes use grouped_mm.
+MEASURED = {(768, 3072, 16, "batch"): ("triton_tma", "grouped_mm"),
+            (4096, 14336, 8, "batch"): ("triton_tma", "grouped_mm"),
+            (4096, 14336, 8, "decode"): ("triton_tma", "triton_tma"),
+            (2048, 768, 128, "batch"): ("triton_tma", "grouped_mm"),
+            (7168, 2048, 256, "batch"): ("triton_tma", "triton_tma")}
+DECODE_ROWS_PER_EXPERT = 64
 
 
-def _variant(choice: str, measured: dict, rows: int, hidden: int, expert_size: int, num_experts: int) -> str:
-    if choice != "auto":
-        return choice
-    if rows < MIN_ROWS_PER_EXPERT * num_experts:
-        return "grouped_mm"
-    return measured.get((hidden, expert_size, num_experts), "grouped_mm")
+def _variants(rows: int, hidden: int, expert_size: int, num_experts: int) -> tuple[str, str]:
+    regime = "decode" if rows < DECODE_ROWS_PER_EXPERT * num_experts else "batch"
+    first, second = MEASURED.get((hidden, expert_size, num_experts, regime), ("grouped_mm", "grouped_mm"))
+    return (first if FFN_IN == "auto" else FFN_IN), (second if FFN_OUT == "auto" else FFN_OUT)
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -91,16 +88,15 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
 def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     if not grouped_mm_supported(x, w_in, w_out):
         return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
-    shape = (x.shape[0], x.shape[1], w_out.shape[2], w_out.shape[0])
+    first, second = _variants(x.shape[0], x.shape[1], w_out.shape[2], w_out.shape[0])
     tma = triton_moe.tma_supported(x, w_in)
-    variant = _variant(FFN_IN, MEASURED_FFN_IN, *shape)
-    if variant.startswith("triton"):
-        a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, tma=tma and variant == "triton_tma")
+    if first.startswith("triton"):
+        a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, tma=tma and first == "triton_tma")
     else:
         h = _grouped(x, w_in.transpose(-2, -1), offsets)
         a = triton_moe.expert_activation(h, offsets, b_in, activation, gated)
-    if _variant(FFN_OUT, MEASURED_FFN_OUT, *shape) == "triton_tma" and tma:
-        return triton_moe.grouped_ffn_in(a, offsets, w_out, b_out, None, False, tma=True)
+    if second.startswith("triton"):
+        return triton_moe.grouped_ffn_in(a, offsets, w_out, b_out, None, False, tma=tma and second == "triton_tma")
     y = _grouped(a, w_out.transpose(-2, -1), offsets)
     if b_out is not None:
         rows = _row_expert(offsets, y.shape[0]).clamp_max(w_out.shape[0] - 1)

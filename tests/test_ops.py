@@ -438,10 +438,10 @@ def test_kernel_for_falls_back_to_reference(isolated_registry):
 def test_cuda_kernels_load_on_first_use_and_reference_can_be_forced(monkeypatch):
     from moecompile.kernels import cuda as C
 
-    for name in ("experts", "experts_backward", "combine", "combine_backward", "dispatch_backward", "quantize_fp8",
-                 "experts_fp8"):
+    for name in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_backward", "combine",
+                 "combine_backward", "dispatch_backward", "quantize_fp8", "experts_fp8"):
         assert kernel_for(name, "cuda") is getattr(C, name)
-    for name in ("route", "route_backward", "dispatch"):  # sync-free reference kernels serve CUDA too
+    for name in ("route_backward", "route_grouped_backward"):  # sync-free reference kernels serve CUDA too
         assert kernel_for(name, "cuda") is getattr(R, name)
     monkeypatch.setenv("MOECOMPILE_KERNELS", "reference")
     assert kernel_for("experts", "cuda") is R.experts

@@ -120,3 +120,16 @@ def test_grouped_ffn_in_matches_reference(activation, gated, bias, tma):
     if bias:
         h = h + b_in[expert]
     torch.testing.assert_close(got[:kept], expert_activation(activation, gated, h), atol=1e-4, rtol=1e-4)
+
+
+def test_cuda_kernel_choice_follows_the_measurements(monkeypatch):
+    from moecompile.kernels import cuda as C
+
+    monkeypatch.setattr(C, "FFN_IN", "auto")
+    monkeypatch.setattr(C, "FFN_OUT", "auto")
+    assert C._variants(32768, 7168, 2048, 256) == ("triton_tma", "triton_tma")  # DeepSeek-V3, batch
+    assert C._variants(8192, 4096, 14336, 8) == ("triton_tma", "grouped_mm")  # Mixtral, batch
+    assert C._variants(128, 4096, 14336, 8) == ("triton_tma", "triton_tma")  # Mixtral, decode
+    assert C._variants(4096, 1000, 500, 8) == ("grouped_mm", "grouped_mm")  # unmeasured
+    monkeypatch.setattr(C, "FFN_OUT", "triton")
+    assert C._variants(4096, 1000, 500, 8) == ("grouped_mm", "triton")  # an explicit choice wins
