@@ -1,7 +1,8 @@
 """The torch.compile backend: `torch.compile(model, backend="moecompile", options={...})`.
 
 Dynamo hands over each captured graph; the "compile" pipeline of passes/pipeline.py rewrites the MoE parts into
-moecompile ops (recognise_moe, set_capacity, fuse_route_dispatch) and everything else goes on to inductor
+moecompile ops (recognise_moe, set_capacity, fuse_route_dispatch, and when asked insert_fp8 or insert_all_to_all)
+and everything else goes on to inductor
 (compile_fx) unchanged. The backend is found through the `torch_dynamo_backends` entry point, so no import of
 moecompile is needed; it is a plain function (Dynamo registers the entry point's name itself, and registering
 the same name twice fails).
@@ -28,8 +29,11 @@ OPTIONS = {
     "fuse": (bool, True, "fuse_route_dispatch: router linear + routing + permutation as one op"),
     "capacity_factor": ((int, float), None, "set_capacity: > 0 fixed capacity, 0 dropless, < 0 dropless up to a cap"),
     "print_graph": (bool, False, "print the graph before and after each pass"),
+    "fp8": (bool, None, "insert_fp8: FP8 experts (inference); the weights' quantisation is in the graph, folded into "
+                        "constants by inductor_config={'freezing': True}"),
+    "expert_parallel": (dict, None, "insert_all_to_all: experts sharded over {'group': ProcessGroup or None (the "
+                                    "world), 'overlap_degree': int}; torch.distributed must be initialised"),
 }
-NOT_YET = {"fp8": "insert_fp8", "expert_parallel": "insert_all_to_all"}
 HISTORY = 64
 
 
@@ -63,13 +67,17 @@ def resolve_options(options: dict | None, mode: str | None = None) -> dict:
     if mode is not None and mode != "default":
         options.setdefault("mode", mode)
     for key, val in options.items():
-        if key in NOT_YET:
-            raise MoECompileError(f"option {key!r} needs the {NOT_YET[key]} pass, which is not in this release")
         if key not in OPTIONS:
             raise MoECompileError(f"unknown moecompile option {key!r}; known: {', '.join(OPTIONS)}")
         kind = OPTIONS[key][0]
         if val is not None and (not isinstance(val, kind) or (kind is not bool and isinstance(val, bool))):
             raise MoECompileError(f"option {key!r} must be {getattr(kind, '__name__', 'a number')}, got {val!r}")
+    if options.get("fp8") and options.get("expert_parallel") is not None:
+        raise MoECompileError("options 'fp8' and 'expert_parallel' cannot be combined yet (the expert-parallel "
+                              "path runs bf16/float32 experts)")
+    unknown = set(options.get("expert_parallel") or {}) - {"group", "overlap_degree"}
+    if unknown:
+        raise MoECompileError(f"option 'expert_parallel' takes 'group' and 'overlap_degree', not {sorted(unknown)}")
     return {key: options.get(key, default) for key, (_, default, _) in OPTIONS.items()}
 
 
@@ -87,6 +95,11 @@ def moecompile_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
     from moecompile.passes.pipeline import run_pipeline
 
     opts = resolve_options(options, mode)
+    training = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in example_inputs)
+    if training and (opts["expert_parallel"] is not None or opts["fp8"]):
+        raise MoECompileError(f"option {'fp8' if opts['fp8'] else 'expert_parallel'!r} is inference-only: call the "
+                              "compiled model under torch.no_grad() (train expert-parallel with "
+                              "moecompile.distribute(model))")
     gm, ctx = run_pipeline(gm, opts, pipeline="compile")
     _records.append(CompileRecord(gm, ctx.reports, ctx.checked))
     for name, report in ctx.reports:
@@ -101,7 +114,8 @@ def moecompile_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
 def compile(model, *, fullgraph: bool = False, dynamic: bool | None = None, **options):
     """torch.compile(model, backend="moecompile", options=options), without going through the entry point.
 
-    Options (see OPTIONS): inductor, mode, inductor_config, fuse, capacity_factor, print_graph."""
+    Options (see OPTIONS): inductor, mode, inductor_config, fuse, capacity_factor, print_graph, fp8,
+    expert_parallel."""
     resolve_options(options)  # fail here, not at the first call
     return torch.compile(model, backend=moecompile_backend, fullgraph=fullgraph, dynamic=dynamic,
                          options=options or None)

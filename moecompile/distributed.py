@@ -189,6 +189,31 @@ def expert_parallel_experts(rows, offsets, w_in, b_in, w_out, b_out, activation:
     return torch.cat([back, rows.new_zeros(ex.pad, rows.shape[1])])
 
 
+@torch.library.custom_op("moecompile::expert_parallel_experts", mutates_args=(), schema=(
+    "(Tensor rows, Tensor offsets, Tensor w_in, Tensor? b_in, Tensor w_out, Tensor? b_out, str activation, "
+    "bool gated, str group_name, int world_size, int local, int degree) -> Tensor"))
+def expert_parallel_experts_op(rows, offsets, w_in, b_in, w_out, b_out, activation, gated, group_name, world_size,
+                               local, degree):
+    """expert_parallel_experts as one opaque op, the torch.compile backend's form: the counts exchange (a host sync
+    with data-dependent split sizes) and the collectives stay inside it, out of AOT autograd's and inductor's
+    tracing. Inference only."""
+    return expert_parallel_experts(rows, offsets, w_in, b_in, w_out, b_out, activation, gated, group_name,
+                                   world_size, local, degree)
+
+
+@expert_parallel_experts_op.register_fake
+def _(rows, offsets, w_in, b_in, w_out, b_out, activation, gated, group_name, world_size, local, degree):
+    return torch.empty_like(rows)
+
+
+def _no_backward(ctx, grad):
+    raise MoECompileError("expert_parallel under torch.compile is inference-only; train with "
+                          "moecompile.distribute(model) (the module view)")
+
+
+expert_parallel_experts_op.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 def trace_expert_parallel(activation: str, gated: bool, group_name: str, world_size: int, local: int,
                           degree: int = 1) -> fx.GraphModule:
     """The data path as a graph over (rows, offsets, w_in, b_in, w_out, b_out): c10d functional all_to_all_single

@@ -7,8 +7,10 @@
 
 The weights are quantised once, here: the constant behind each weight's get_attr becomes its float8_e4m3fn 128 × 128
 blocks under the same name, with a float32 `<name>_scale_inv` beside it (MoEExpertsFP8's names, and those of HF's
-FineGrainedFP8 experts); a whole MoEExperts module becomes an MoEExpertsFP8. Runs when ctx.options["fp8"] is set;
-experts whose weights are graph inputs rather than constants are left alone and reported.
+FineGrainedFP8 experts); a whole MoEExperts module becomes an MoEExpertsFP8. Weights that enter as graph inputs
+(Dynamo graphs in the torch.compile backend hand parameters over as inputs) are quantised by nodes in the graph
+instead, w_fp8, w_scale_inv = quantize_blocks(w): inductor's freezing (config "freezing", inference) folds those into
+constants at compile time; without it they run on every call. Runs when ctx.options["fp8"] is set.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ import operator
 import torch
 from torch import fx, nn
 
+from moecompile.passes.nodes import value
 from moecompile.block import MoEExperts
-from moecompile.fp8 import ACT_GROUP, FP8, MoEExpertsFP8, quantize_weight
+from moecompile.fp8 import ACT_GROUP, FP8, MoEExpertsFP8, quantize_blocks, quantize_weight
 
 EXPERTS = torch.ops.moecompile.experts.default
 QUANTIZE_FP8 = torch.ops.moecompile.quantize_fp8.default
@@ -32,8 +35,15 @@ def _owner(gm: fx.GraphModule, target: str) -> tuple[nn.Module, str, str]:
 
 def _unsupported(gm: fx.GraphModule, weights: list) -> str | None:
     for w in weights:
-        if not isinstance(w, fx.Node) or w.op != "get_attr":
-            return "its weights are not constants of the graph (get_attr)"
+        if not isinstance(w, fx.Node):
+            return "its weights are not graph values"
+        if w.op != "get_attr":
+            t = value(w)
+            if t is None:
+                return f"{w.name} is a graph input without an example value"
+            if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
+                return f"{w.name} is not a 3-d float tensor"
+            continue
         if any(u.target not in (EXPERTS, EXPERTS_FP8) for u in w.users):
             return f"{w.target} is also used outside the experts"
         module, _, attr = _owner(gm, w.target)
@@ -41,6 +51,20 @@ def _unsupported(gm: fx.GraphModule, weights: list) -> str | None:
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
             return f"{w.target} is not a 3-d float tensor"
     return None
+
+
+def _quantize_input(gm: fx.GraphModule, w: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """Nodes quantising a weight that is a graph input: (w_fp8, w_scale_inv)."""
+    quant = gm.graph.call_function(quantize_blocks, (w,))
+    parts = tuple(gm.graph.call_function(operator.getitem, (quant, i)) for i in (0, 1))
+    val = value(w)
+    if isinstance(val, torch._subclasses.fake_tensor.FakeTensor):
+        with val.fake_mode:
+            out = quantize_blocks(val)
+        quant.meta["val"] = out
+        for node, v in zip(parts, out):
+            node.meta["val"] = v
+    return parts
 
 
 def _quantize_constant(gm: fx.GraphModule, target: str) -> str:
@@ -63,9 +87,16 @@ def _quantize_constant(gm: fx.GraphModule, target: str) -> str:
     return scale
 
 
+def _dtype(gm: fx.GraphModule, w: fx.Node) -> torch.dtype:
+    if w.op == "get_attr":
+        module, _, attr = _owner(gm, w.target)
+        return getattr(module, attr).dtype
+    return value(w).dtype
+
+
 def _set_vals(x: fx.Node, quant: fx.Node, parts: tuple[fx.Node, fx.Node]) -> None:
     """Shape metadata for the new nodes, from the fake tensor of x (when the graph carries them)."""
-    val = x.meta.get("val")
+    val = value(x)
     if not isinstance(val, torch._subclasses.fake_tensor.FakeTensor):
         return
     with val.fake_mode:
@@ -90,16 +121,20 @@ def insert_fp8(gm: fx.GraphModule, ctx) -> dict:
         if why:
             skipped.append(f"{node.name}: {why}")
             continue
-        val = node.meta.get("val")
-        module, _, attr = _owner(gm, w_in.target)
-        out_dtype = val.dtype if val is not None else getattr(module, attr).dtype  # experts' output: x's dtype
-        scales = [_quantize_constant(gm, w.target) for w in (w_in, w_out)]
+        val = value(node)
+        out_dtype = val.dtype if val is not None else _dtype(gm, w_in)  # experts' output: x's dtype
         with gm.graph.inserting_before(node):
+            weights = []
+            for w in (w_in, w_out):
+                if w.op == "get_attr":
+                    weights += [w, gm.graph.get_attr(_quantize_constant(gm, w.target))]
+                else:
+                    weights += list(_quantize_input(gm, w))
+            (q_in, s_in), (q_out, s_out) = weights[:2], weights[2:]
             quant = gm.graph.call_function(QUANTIZE_FP8, (x, ACT_GROUP))
             x_fp8 = gm.graph.call_function(operator.getitem, (quant, 0))
             x_scale_inv = gm.graph.call_function(operator.getitem, (quant, 1))
-            s_in, s_out = (gm.graph.get_attr(s) for s in scales)
-            new = gm.graph.call_function(EXPERTS_FP8, (x_fp8, x_scale_inv, offsets, w_in, s_in, b_in, w_out, s_out,
+            new = gm.graph.call_function(EXPERTS_FP8, (x_fp8, x_scale_inv, offsets, q_in, s_in, b_in, q_out, s_out,
                                                        b_out, activation, gated, out_dtype))
         for n in (quant, x_fp8, x_scale_inv, new):
             if "nn_module_stack" in node.meta:
@@ -109,5 +144,6 @@ def insert_fp8(gm: fx.GraphModule, ctx) -> dict:
         _set_vals(x, quant, (x_fp8, x_scale_inv))
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        rewritten.append(f"{node.name}: {w_in.target}, {w_out.target} -> float8_e4m3fn, 128x128 block scales")
+        where = "constants" if w_in.op == "get_attr" else "quantised in the graph"
+        rewritten.append(f"{node.name}: {w_in.name}, {w_out.name} -> float8_e4m3fn, 128x128 block scales ({where})")
     return {"rewritten": rewritten, "skipped": skipped}

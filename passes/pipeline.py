@@ -27,10 +27,10 @@ from .set_capacity import set_capacity
 
 PIPELINES = {
     # dense -> MoE on graphs captured by torch.export (moecompile.moeize's graph view)
-    # insert_fp8 and insert_all_to_all run only when options["fp8"] / options["expert_parallel"] ask
+    # (here and below) insert_fp8 and insert_all_to_all run only when options["fp8"] / options["expert_parallel"] ask
     "convert": [find_ffn, moeize, insert_fp8, insert_all_to_all],
     # Dynamo graphs in the torch.compile backend: existing MoE blocks -> moecompile ops, then their optimisation.
-    "compile": [recognise_moe, set_capacity, fuse_route_dispatch],
+    "compile": [recognise_moe, set_capacity, fuse_route_dispatch, insert_fp8, insert_all_to_all],
 }
 PIPELINE = PIPELINES["convert"]
 
@@ -50,6 +50,7 @@ class PassContext:
     moe_blocks: int = 0  # set by recognise_moe
     reports: list[tuple[str, dict]] = field(default_factory=list)
     checked: str = "lint"  # "fake" when every pass was also fake-tensor propagated
+    pipeline: str = "convert"  # which of PIPELINES runs (passes may emit different forms for each)
 
 
 def output_signature(gm: fx.GraphModule) -> list | None:
@@ -95,7 +96,7 @@ def _disabled(p, options: dict) -> str | None:
 
 def run_pipeline(gm: fx.GraphModule, options: dict | None = None, passes=None,
                  pipeline: str = "convert") -> tuple[fx.GraphModule, PassContext]:
-    ctx = PassContext(options=dict(options or {}))
+    ctx = PassContext(options=dict(options or {}), pipeline=pipeline)
     verbose = os.environ.get("MOECOMPILE_PRINT_GRAPH", "") not in ("", "0") or bool(ctx.options.get("print_graph"))
     try:
         expected = output_signature(gm)

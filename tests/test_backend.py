@@ -115,9 +115,31 @@ def test_options_select_passes():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("family", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_fp8_option_quantises_the_experts_in_the_graph(family):
+    """options fp8: every recognised experts node runs FP8 (weights quantised by graph nodes: Dynamo hands the
+    parameters over as inputs); the logits stay close to the unquantised model's."""
+    model, ids = tiny_moe(family), token_ids()
+    with torch.no_grad():
+        expected = _logits(model, ids)
+        got = _logits(_compiled(model, fp8=True, **NO_INDUCTOR), ids)
+    (record,) = backend.records()
+    report = dict(record.reports)["insert_fp8"]
+    assert len(report["rewritten"]) == MOE_LAYERS[family] and not report["skipped"]
+    assert len(moe_nodes(record.graph_module, "experts_fp8")) == MOE_LAYERS[family]
+    assert not moe_nodes(record.graph_module, "experts")
+    cosine = torch.nn.functional.cosine_similarity(got.flatten(1), expected.flatten(1)).min().item()
+    assert cosine >= 0.999, cosine
+    assert not torch.equal(got, expected)  # the FP8 path ran
+    with pytest.raises(Exception, match="'fp8' is inference-only"):  # Dynamo wraps the backend's error
+        _logits(_compiled(model, fp8=True, **NO_INDUCTOR), ids)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("options,message", [
-    ({"fp8": True}, "needs the insert_fp8 pass"),
-    ({"expert_parallel": 2}, "needs the insert_all_to_all pass"),
+    ({"fp8": True, "expert_parallel": {"overlap_degree": 1}}, "cannot be combined"),
+    ({"expert_parallel": 2}, "option 'expert_parallel' must be dict"),
+    ({"expert_parallel": {"degree": 2}}, "takes 'group' and 'overlap_degree'"),
     ({"fusion": False}, "unknown moecompile option 'fusion'"),
     ({"inductor": "no"}, "option 'inductor' must be bool"),
     ({"capacity_factor": True}, "option 'capacity_factor' must be"),

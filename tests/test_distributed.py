@@ -221,6 +221,26 @@ def _graph_checks(rank, world, out, degree):
     out[f"graph/d{degree}/w_in"] = list(gm.get_parameter("moe0.experts.w_in").shape)
 
 
+def _backend_checks(rank, world, out):
+    """torch.compile(backend="moecompile", options={"expert_parallel": ...}) on a tiny HF Mixtral against eager."""
+    from hf_moe import tiny_moe, token_ids
+
+    import moecompile
+
+    model, ids = tiny_moe("tiny-mixtral"), token_ids(seed=30 + rank)
+    compiled = moecompile.compile(model, fullgraph=True, inductor=False, expert_parallel={"overlap_degree": 2})
+    with torch.no_grad():
+        out["backend/out"] = _err(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+    report = dict(moecompile.backend.records()[-1].reports)["insert_all_to_all"]
+    out["backend/rewritten"] = report["rewritten"]
+    training = moecompile.compile(model.train(), fullgraph=True, inductor=False, expert_parallel={})
+    try:  # Dynamo wraps a backend's error in its own (BackendCompilerFailed), with the message kept
+        training(ids, use_cache=False).logits.sum().backward()
+        out["backend/train_error"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["backend/train_error"] = str(e)
+
+
 def _worker2(rank, world, port, tmp):
     _init(rank, world, port)
     tmp, out = Path(tmp), {}
@@ -232,6 +252,7 @@ def _worker2(rank, world, port, tmp):
     _block_checks(rank, world, "capacity", gated, [9, 5], (1, 2), 2, out)  # drops, one expert per rank
     _model_checks(rank, world, tmp, out)
     _graph_checks(rank, world, out, degree=2)
+    _backend_checks(rank, world, out)
     torch.manual_seed(5)
     built = ep.ExpertParallelMoEBlock(MoEConfig(H, F, 4, top_k=2))  # constructed sharded
     torch.manual_seed(5)
@@ -340,6 +361,14 @@ def test_checkpoint_save_load_gather_and_world_size_mismatch(two_ranks):
         assert "checkpoint gather" in res["ckpt/world_mismatch"]
     assert two_ranks[0]["ckpt/leftovers"] == []  # no temporary folder left
     _assert_close(two_ranks, "ckpt/")
+
+
+def test_compile_backend_expert_parallel_option(two_ranks):
+    _assert_close(two_ranks, "backend/")
+    for rank, res in enumerate(two_ranks):
+        assert res["backend/rewritten"] == [f"experts_default{s}: experts {2 * rank}..{2 * rank + 1} of 4 on rank "
+                                            f"{rank}/2, overlap degree 2" for s in ("", "_1")]
+        assert "inference-only" in res["backend/train_error"]
 
 
 def test_graph_pass_matches_single_process_graph(two_ranks):

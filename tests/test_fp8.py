@@ -343,7 +343,7 @@ def _experts_graph(owner: nn.Module | None):
     return fx.GraphModule(root, g)
 
 
-def test_insert_fp8_quantises_any_constant_experts_and_skips_graph_inputs():
+def test_insert_fp8_quantises_constant_experts_and_graph_input_weights():
     c = fp8_case(bias=False)
     hf = nn.Module()  # an HF-style fused experts module: gate_up_proj [E, 2I, H], down_proj [E, H, I]
     hf.gate_up_proj, hf.down_proj = nn.Parameter(c["w_in"]), nn.Parameter(c["w_out"])
@@ -357,10 +357,20 @@ def test_insert_fp8_quantises_any_constant_experts_and_skips_graph_inputs():
     assert torch.equal(bits(hf.down_proj), bits(c["oq"]))
     with torch.no_grad():
         torch.testing.assert_close(gm(c["rows"], c["offsets"]), call_fp8(c), rtol=0, atol=0)
+    # weights as graph inputs (Dynamo hands parameters over so): quantised by nodes in the graph, same numbers
     inputs = _experts_graph(None)
     report = insert_fp8(inputs, PassContext(options={"fp8": True}))
-    assert report["rewritten"] == [] and "not constants" in report["skipped"][0]
-    assert [n.target for n in inputs.graph.nodes if n.op == "call_function"] == [OPS.experts.default]
+    assert report["rewritten"] == [] and "without an example value" in report["skipped"][0]
+    inputs = _experts_graph(None)
+    for n in inputs.graph.nodes:
+        if n.op == "placeholder" and n.name in ("w_in", "w_out"):
+            n.meta["val"] = c[n.name]
+    report = insert_fp8(inputs, PassContext(options={"fp8": True}))
+    inputs.recompile()
+    assert len(report["rewritten"]) == 1 and "quantised in the graph" in report["rewritten"][0]
+    with torch.no_grad():
+        torch.testing.assert_close(inputs(c["rows"], c["offsets"], c["w_in"], c["w_out"]), call_fp8(c), rtol=0,
+                                   atol=0)
 
 
 # ------------------------------------------------------------------------------------------------ autocast
