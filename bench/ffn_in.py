@@ -10,12 +10,9 @@ The winner per shape goes into kernels/cuda.py's MEASURED (with the second proje
 """
 from __future__ import annotations
 
-import argparse
-import platform
-import sys
-import time
-
 import torch
+
+import options_table
 
 SHAPES = {"gpt2-upcycled": (768, 3072, 16, 2, 16384), "mixtral": (4096, 14336, 8, 2, 4096),
           "qwen3-moe": (2048, 768, 128, 8, 8192), "deepseek-v3": (7168, 2048, 256, 8, 4096)}
@@ -67,26 +64,9 @@ def run(name, d, f, e, k, tokens, lines):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None)
-    p.add_argument("--shapes", default=",".join(SHAPES))
-    a = p.parse_args(argv)
-    start = time.time()
-    lines = []
-    for name in a.shapes.split(","):
-        run(name, *SHAPES[name], lines)
-        torch.cuda.empty_cache()
-    text = "\n".join([
-        "# First expert projection + SwiGLU: kernel options (moecompile, issue 9)", "",
-        f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, python {platform.python_version()}.",
-        f"Command: `python bench/{' '.join(['ffn_in.py'] + (sys.argv[1:] if argv is None else list(argv)))}` "
-        f"({time.time() - start:.0f} s).", "", (__doc__.split("\n\n", 2)[2]).strip(), "",
-        "| shape | variant | ms | TF/s | speedup vs grouped_mm | err vs grouped_mm |", "|---|---|---|---|---|---|",
-        *lines]) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as fh:
-            fh.write(text)
+    return options_table.main(
+        __doc__, "ffn_in.py", "First expert projection + SwiGLU: kernel options (moecompile, issue 9)",
+        "| shape | variant | ms | TF/s | speedup vs grouped_mm | err vs grouped_mm |", SHAPES, run, argv)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,9 @@ err: relative Frobenius error of the output against the bf16 kernel's.
 """
 from __future__ import annotations
 
-import argparse
-import platform
-import sys
-import time
-
 import torch
+
+import options_table
 
 SHAPES = {"mixtral": (4096, 14336, 8, 2, 4096), "deepseek-v3": (7168, 2048, 256, 8, 4096)}
 TRITON_CONFIGS = [(bm, w, s) for bm in (64, 128) for w in (4, 8) for s in (3, 4, 5)]
@@ -127,26 +124,8 @@ def run(name, d, f, e, k, tokens, lines):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None)
-    p.add_argument("--shapes", default=",".join(SHAPES))
-    a = p.parse_args(argv)
-    start = time.time()
-    lines = []
-    for name in a.shapes.split(","):
-        run(name, *SHAPES[name], lines)
-        torch.cuda.empty_cache()
-    text = "\n".join([
-        "# FP8 expert GEMM options (moecompile, issue 3)", "",
-        f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, python {platform.python_version()}.",
-        f"Command: `python bench/{' '.join(['fp8_gemm.py'] + (sys.argv[1:] if argv is None else list(argv)))}` "
-        f"({time.time() - start:.0f} s).", "",
-        (__doc__.split("\n\n", 2)[2]).strip(), "",
-        "| shape | variant | ms | TF/s | speedup vs bf16 | err vs bf16 |", "|---|---|---|---|---|---|", *lines]) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as fh:
-            fh.write(text)
+    return options_table.main(__doc__, "fp8_gemm.py", "FP8 expert GEMM options (moecompile, issue 3)",
+                              "| shape | variant | ms | TF/s | speedup vs bf16 | err vs bf16 |", SHAPES, run, argv)
 
 
 if __name__ == "__main__":

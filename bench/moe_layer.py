@@ -249,9 +249,8 @@ def main(argv=None):
         "balanced routing. TF/s: useful FLOPs (6·T·k·d·f) over ours' best time. err: relative error vs a float32 "
         "reference (max over capacity factors 0, 1.0, -1.5) / HF's error at 0.",
         "",
-        "| shape | d, f, E, k, tokens | ours fused | ours grouped_mm | ours fused in+out | ours graph | HF | HF compile | "
-        "bare | TF/s | "
-        "ours / bare | best peer / ours | err ours / HF |",
+        "| shape | d, f, E, k, tokens | ours fused | ours grouped_mm | ours fused in+out | ours graph | HF | "
+        "HF compile | bare | TF/s | ours / bare | best peer / ours | err ours / HF |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *fwd,
     ]

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_moe import ACTIVATION_IDS, _activation, _expert_tile
+from .triton_moe import ACTIVATION_IDS, _bias_activation, _expert_tile
 
 FP8_MAX = 448.0
 GROUP = 128
@@ -100,16 +100,7 @@ def _grouped_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, offset
                 if CAST_FP32:
                     bu = bu.to(tl.float32)
                 acc_up += tl.dot(a, bu) * (a_s[:, None] * bu_s)
-        if HAS_BIAS:
-            b_row = bias_ptr + expert.to(tl.int64) * in_width
-            acc += tl.load(b_row + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                acc_up += tl.load(b_row + width + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        out = acc
-        if ACT >= 0:
-            out = _activation(acc, ACT)
-        if GATED:
-            out = out * acc_up
+        out = _bias_activation(acc, acc_up, bias_ptr, expert, cols, cmask, width, HAS_BIAS, GATED, ACT)
         out_rows = rows[:, None].to(tl.int64) * width + cols[None, :]
         if QUANT_OUT:  # one 128-channel group per row of this tile: quantise for the next GEMM
             scale = tl.maximum(tl.max(tl.abs(out), axis=1), 1e-12) / 448.0

@@ -262,6 +262,25 @@ def _expert_tile(offsets_ptr, n_rows, num_experts, width: tl.constexpr, E_PAD: t
 
 
 @triton.jit
+def _bias_activation(acc, acc_up, bias_ptr, expert, cols, cmask, width: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     GATED: tl.constexpr, ACT: tl.constexpr):
+    """The grouped GEMMs' epilogue on a [rows, cols] tile: + the expert's bias, act (ACT -1: none), times up when
+    gated (acc: the gate or only projection, acc_up: the up projection)."""
+    if HAS_BIAS:
+        in_width: tl.constexpr = 2 * width if GATED else width
+        b_row = bias_ptr + expert.to(tl.int64) * in_width
+        acc += tl.load(b_row + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_row + width + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    out = acc
+    if ACT >= 0:
+        out = _activation(acc, ACT)
+    if GATED:
+        out = out * acc_up
+    return out
+
+
+@triton.jit
 def _grouped_ffn_in_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows, num_experts, rows_bucket,
                            hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                            ACT: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -289,16 +308,7 @@ def _grouped_ffn_in_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows,
                 bu = tl.load(w_base + (width + cols[None, :]).to(tl.int64) * hidden + ks[:, None],
                              mask=kmask[:, None] & cmask[None, :], other=0.0)
                 acc_up = tl.dot(a, bu, acc_up)
-        if HAS_BIAS:
-            b_row = bias_ptr + expert.to(tl.int64) * in_width
-            acc += tl.load(b_row + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                acc_up += tl.load(b_row + width + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        out = acc
-        if ACT >= 0:  # -1: no activation (the second projection)
-            out = _activation(acc, ACT)
-        if GATED:
-            out = out * acc_up
+        out = _bias_activation(acc, acc_up, bias_ptr, expert, cols, cmask, width, HAS_BIAS, GATED, ACT)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
 
@@ -341,16 +351,7 @@ def _grouped_ffn_in_tma_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_r
             acc = tl.dot(a, w_desc.load([w_row, k0]).T, acc)
             if GATED:
                 acc_up = tl.dot(a, w_desc.load([w_row + width, k0]).T, acc_up)
-        if HAS_BIAS:
-            b_row = bias_ptr + expert.to(tl.int64) * in_width
-            acc += tl.load(b_row + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                acc_up += tl.load(b_row + width + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        out = acc
-        if ACT >= 0:  # -1: no activation (the second projection)
-            out = _activation(acc, ACT)
-        if GATED:
-            out = out * acc_up
+        out = _bias_activation(acc, acc_up, bias_ptr, expert, cols, cmask, width, HAS_BIAS, GATED, ACT)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
 

@@ -1,0 +1,35 @@
+"""Shared driver of the kernel-option benches (ffn_in.py, fp8_gemm.py): run each shape, write one markdown table."""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+import torch
+
+
+def main(doc: str, script: str, title: str, header: str, shapes: dict, run, argv=None) -> str:
+    """`run(name, *shape, lines)` appends table rows; the table goes to stdout and --out. `doc`: the script's
+    docstring (first line: description; from its second paragraph on: the table's legend)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--out", default=None, help="write the markdown table here")
+    p.add_argument("--shapes", default=",".join(shapes), help=f"comma-separated subset of {', '.join(shapes)}")
+    a = p.parse_args(argv)
+    start = time.time()
+    lines = []
+    for name in a.shapes.split(","):
+        run(name, *shapes[name], lines)
+        torch.cuda.empty_cache()
+    columns = header.count("|") - 1
+    text = "\n".join([
+        f"# {title}", "",
+        f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, python {platform.python_version()}.",
+        f"Command: `python bench/{' '.join([script] + (sys.argv[1:] if argv is None else list(argv)))}` "
+        f"({time.time() - start:.0f} s).", "", doc.split("\n\n", 2)[2].strip(), "",
+        header, "|" + "---|" * columns, *lines]) + "\n"
+    print(text)
+    if a.out:
+        with open(a.out, "w") as fh:
+            fh.write(text)
+    return text
