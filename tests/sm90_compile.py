@@ -1,0 +1,75 @@
+"""Compile every Triton kernel of the CUDA runtime for an H100/H200 (sm_90a) on a machine without a GPU: Triton's
+front end, its Hopper lowering (wgmma, TMA) and ptxas run, nothing is launched. Run by tests/test_triton_sm90.py in
+a subprocess without TRITON_INTERPRET (which swaps the kernels for interpreted functions). Prints one line per
+compiled kernel variant: "ok <name> <variant>" or "FAIL <name> <variant>: <error>"."""
+import inspect
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moecompile.kernels import triton_fp8, triton_moe, triton_routing
+
+TARGET = GPUTarget("cuda", 90, 32)
+BF16 = "*bf16"
+
+
+def compile_kernel(fn, types: dict, consts: dict, **options) -> None:
+    params = list(inspect.signature(fn.fn).parameters)
+    unknown = set(consts) - set(params)
+    if unknown:
+        raise TypeError(f"not parameters: {sorted(unknown)}")
+    signature = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
+    triton.compile(ASTSource(fn, signature, constexprs={(params.index(k),): v for k, v in consts.items()}),
+                   target=TARGET, options=options)
+
+
+def cases():
+    gemm = {"x_ptr": BF16, "w_ptr": BF16, "bias_ptr": BF16, "offsets_ptr": "*i32", "out_ptr": BF16}
+    tiles = dict(E_PAD=8, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, hidden=4096, width=14336)
+    for kernel in (triton_moe._grouped_ffn_in_kernel, triton_moe._grouped_ffn_in_tma_kernel):
+        for gated, act, bias, label in ((True, 3, False, "swiglu"), (False, 0, True, "gelu+bias"),
+                                        (False, -1, True, "no activation (second projection)")):
+            yield kernel, label, gemm, dict(tiles, HAS_BIAS=bias, GATED=gated, ACT=act), dict(num_warps=8,
+                                                                                               num_stages=3)
+    act = {"h_ptr": BF16, "bias_ptr": BF16, "offsets_ptr": "*i32", "out_ptr": BF16}
+    yield (triton_moe._expert_activation_kernel, "swiglu", act,
+           dict(HAS_BIAS=True, GATED=True, ACT=3, BLOCK_M=32, BLOCK_N=128, E_PAD=8), {})
+    act_bwd = {"h_ptr": BF16, "bias_ptr": BF16, "offsets_ptr": "*i32", "grad_a_ptr": BF16, "a_ptr": BF16,
+               "grad_h_ptr": BF16}
+    yield (triton_moe._expert_activation_backward_kernel, "gelu", act_bwd,
+           dict(HAS_BIAS=True, GATED=False, ACT=0, BLOCK_M=32, BLOCK_N=128, E_PAD=8), {})
+    yield (triton_moe._combine_kernel, "k=8", {"y_ptr": BF16, "row_of_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": BF16},
+           dict(TOP_K=8, BLOCK_T=16, BLOCK_H=256), {})
+    yield (triton_moe._combine_backward_kernel, "k=2",
+           {"grad_out_ptr": BF16, "y_ptr": BF16, "row_of_ptr": "*i64", "w_ptr": "*fp32", "grad_rows_ptr": BF16,
+            "grad_w_ptr": "*fp32"}, dict(hidden=4096, TOP_K=2, BLOCK_T=16, BLOCK_H=256), {})
+    yield (triton_fp8._quantize_rows_kernel, "1x128", {"x_ptr": BF16, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+           dict(width=4096, BLOCK_M=32, GROUP=128, EMULATE=False), {})
+    fp8 = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+           "bias_ptr": BF16, "offsets_ptr": "*i32", "out_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32"}
+    yield (triton_fp8._grouped_fp8_kernel, "first projection", fp8,
+           dict(K=4096, width=14336, HAS_BIAS=True, GATED=True, ACT=3, QUANT_OUT=True, CAST_FP32=False, E_PAD=8,
+                BLOCK_M=128, GROUP_M=8), dict(num_warps=8, num_stages=3))
+    yield (triton_fp8._grouped_fp8_kernel, "second projection", {**fp8, "out_ptr": BF16},
+           dict(K=14336, width=4096, HAS_BIAS=False, GATED=False, ACT=-1, QUANT_OUT=False, CAST_FP32=False,
+                E_PAD=8, BLOCK_M=64, GROUP_M=8), dict(num_warps=4, num_stages=4))
+    for scoring, bias in ((0, False), (1, True)):
+        yield (triton_routing._topk_kernel, f"scoring {scoring}",
+               {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+                "scaling": "fp32"},
+               dict(TOP_K=8, K_PAD=8, E_PAD=256, BLOCK_T=16, SCORING=scoring, HAS_BIAS=bias, RENORM=True), {})
+    yield (triton_routing._rank_kernel, "E=128", {"ids_ptr": "*i64", "rank_ptr": "*i32", "counts_ptr": "*i32"},
+           dict(BLOCK=64, B_PAD=256), {})
+    yield (triton_routing._scatter_rows_kernel, "H=2048",
+           {"x_ptr": BF16, "ids_ptr": "*i64", "rank_ptr": "*i32", "base_ptr": "*i32", "order_ptr": "*i64",
+            "rows_ptr": BF16}, dict(hidden=2048, TOP_K=8, RANK_BLOCK=64, BLOCK_A=32, BLOCK_H=256), {})
+
+
+if __name__ == "__main__":
+    for fn, label, types, consts, options in cases():
+        try:
+            compile_kernel(fn, types, consts, **options)
+            print(f"ok {fn.fn.__name__} {label}", flush=True)
+        except Exception as e:  # noqa: BLE001 - reported per kernel, the test fails on any
+            print(f"FAIL {fn.fn.__name__} {label}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
