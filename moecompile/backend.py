@@ -29,8 +29,8 @@ OPTIONS = {
     "fuse": (bool, True, "fuse_route_dispatch: router linear + routing + permutation as one op"),
     "capacity_factor": ((int, float), None, "set_capacity: > 0 fixed capacity, 0 dropless, < 0 dropless up to a cap"),
     "print_graph": (bool, False, "print the graph before and after each pass"),
-    "fp8": (bool, None, "insert_fp8: FP8 experts (inference); the weights' quantisation is in the graph, folded into "
-                        "constants by inductor_config={'freezing': True}"),
+    "fp8": (bool, None, "insert_fp8: FP8 experts (inference); the expert weights are quantised once, from their "
+                        "values when the graph compiles"),
     "expert_parallel": (dict, None, "insert_all_to_all: experts sharded over {'group': ProcessGroup or None (the "
                                     "world), 'overlap_degree': int}; torch.distributed must be initialised"),
 }
@@ -100,15 +100,41 @@ def moecompile_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
         raise MoECompileError(f"option {'fp8' if opts['fp8'] else 'expert_parallel'!r} is inference-only: call the "
                               "compiled model under torch.no_grad() (train expert-parallel with "
                               "moecompile.distribute(model))")
-    gm, ctx = run_pipeline(gm, opts, pipeline="compile")
+    gm, ctx = run_pipeline(gm, opts, pipeline="compile", example_inputs=list(example_inputs))
     _records.append(CompileRecord(gm, ctx.reports, ctx.checked))
     for name, report in ctx.reports:
         log.info("%s: %s", name, report)
+    gm, constants = _constants_as_inputs(gm)
+    inputs = [*example_inputs, *constants]
     if not opts["inductor"]:  # AOT autograd without code generation: the rewritten graph as inductor sees it
         from torch._dynamo.backends.debugging import aot_eager
 
-        return aot_eager(gm, example_inputs)
-    return _inductor(gm, example_inputs, opts)
+        compiled = aot_eager(gm, inputs)
+    else:
+        compiled = _inductor(gm, inputs, opts)
+    if not constants:
+        return compiled
+    return lambda *args: compiled(*args, *constants)
+
+
+def _constants_as_inputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[torch.Tensor]]:
+    """Tensors a pass made at compile time (insert_fp8's quantised weights) become trailing graph inputs: AOT
+    autograd takes a Dynamo graph's attributes only from Dynamo's own list."""
+    if not any(n.op == "get_attr" and n.meta.get("moecompile_constant") for n in gm.graph.nodes):
+        return gm, []
+    graph = fx.Graph()  # a copy: Dynamo reads its own graph's placeholders after the backend returns
+    graph.output(graph.graph_copy(gm.graph, {}))
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    constants = []
+    for node in [n for n in graph.nodes if n.op == "get_attr" and n.meta.get("moecompile_constant")]:
+        with graph.inserting_after(last):
+            last = graph.placeholder(node.target)
+        constants.append(getattr(gm, node.target))
+        last.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(last)
+        graph.erase_node(node)
+    # a fresh GraphModule: without Dynamo's parameter-source table AOT autograd takes the new inputs as plain ones
+    return fx.GraphModule(gm, graph), constants
 
 
 def compile(model, *, fullgraph: bool = False, dynamic: bool | None = None, **options):

@@ -8,9 +8,11 @@
 The weights are quantised once, here: the constant behind each weight's get_attr becomes its float8_e4m3fn 128 × 128
 blocks under the same name, with a float32 `<name>_scale_inv` beside it (MoEExpertsFP8's names, and those of HF's
 FineGrainedFP8 experts); a whole MoEExperts module becomes an MoEExpertsFP8. Weights that enter as graph inputs
-(Dynamo graphs in the torch.compile backend hand parameters over as inputs) are quantised by nodes in the graph
-instead, w_fp8, w_scale_inv = quantize_blocks(w): inductor's freezing (config "freezing", inference) folds those into
-constants at compile time; without it they run on every call. Runs when ctx.options["fp8"] is set.
+(Dynamo hands parameters over so) are quantised once from their real values when the caller passes them
+(ctx.example_inputs, as the torch.compile backend does) and kept as constants `<input>_fp8` / `<input>_fp8_scale_inv`
+on the GraphModule, like inductor's freezing: later changes to those weights are not seen. Without real values
+(or for a view of an input) the graph quantises them itself on every call: w_fp8, w_scale_inv = quantize_blocks(w).
+Runs when ctx.options["fp8"] is set.
 """
 from __future__ import annotations
 
@@ -53,8 +55,29 @@ def _unsupported(gm: fx.GraphModule, weights: list) -> str | None:
     return None
 
 
-def _quantize_input(gm: fx.GraphModule, w: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """Nodes quantising a weight that is a graph input: (w_fp8, w_scale_inv)."""
+def _real_input(gm: fx.GraphModule, ctx, w: fx.Node) -> torch.Tensor | None:
+    """The real tensor behind placeholder w, if the caller gave the inputs' values."""
+    if w.op != "placeholder" or not ctx.example_inputs:
+        return None
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    t = ctx.example_inputs[placeholders.index(w)]
+    fake = isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
+    return t if isinstance(t, torch.Tensor) and not fake and t.dim() == 3 else None
+
+
+def _quantize_input(gm: fx.GraphModule, ctx, w: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(w_fp8, w_scale_inv) nodes for a weight that is a graph input: constants quantised now from its real value,
+    else nodes that quantise it on every call."""
+    real = _real_input(gm, ctx, w)
+    if real is not None:
+        q, s = quantize_weight(real.detach())
+        nodes = []
+        for suffix, t in (("_fp8", q), ("_fp8_scale_inv", s)):
+            gm.register_buffer(f"{w.name}{suffix}", t)
+            node = gm.graph.get_attr(f"{w.name}{suffix}")
+            node.meta.update(val=t, moecompile_constant=True)  # the backend hands these to the compiler as inputs
+            nodes.append(node)
+        return tuple(nodes)
     quant = gm.graph.call_function(quantize_blocks, (w,))
     parts = tuple(gm.graph.call_function(operator.getitem, (quant, i)) for i in (0, 1))
     val = value(w)
@@ -129,7 +152,7 @@ def insert_fp8(gm: fx.GraphModule, ctx) -> dict:
                 if w.op == "get_attr":
                     weights += [w, gm.graph.get_attr(_quantize_constant(gm, w.target))]
                 else:
-                    weights += list(_quantize_input(gm, w))
+                    weights += list(_quantize_input(gm, ctx, w))
             (q_in, s_in), (q_out, s_out) = weights[:2], weights[2:]
             quant = gm.graph.call_function(QUANTIZE_FP8, (x, ACT_GROUP))
             x_fp8 = gm.graph.call_function(operator.getitem, (quant, 0))
@@ -144,6 +167,6 @@ def insert_fp8(gm: fx.GraphModule, ctx) -> dict:
         _set_vals(x, quant, (x_fp8, x_scale_inv))
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        where = "constants" if w_in.op == "get_attr" else "quantised in the graph"
+        where = "quantised in the graph" if q_in.op == "call_function" else "constants"
         rewritten.append(f"{node.name}: {w_in.name}, {w_out.name} -> float8_e4m3fn, 128x128 block scales ({where})")
     return {"rewritten": rewritten, "skipped": skipped}

@@ -51,6 +51,7 @@ class PassContext:
     reports: list[tuple[str, dict]] = field(default_factory=list)
     checked: str = "lint"  # "fake" when every pass was also fake-tensor propagated
     pipeline: str = "convert"  # which of PIPELINES runs (passes may emit different forms for each)
+    example_inputs: list | None = None  # the placeholders' real values, when the caller has them (the backend)
 
 
 def output_signature(gm: fx.GraphModule) -> list | None:
@@ -65,7 +66,12 @@ def output_signature(gm: fx.GraphModule) -> list | None:
         return None
     (mode,) = modes  # the mode of the graph's own example values (the backend's tracing context has another)
 
-    out = FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    allow = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True  # constants a pass added (get_attr) are real tensors
+    try:
+        out = FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    finally:
+        mode.allow_non_fake_inputs = allow
     return [(str(tuple(v.shape)), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
             for v in pytree.tree_leaves(out)]
 
@@ -94,9 +100,9 @@ def _disabled(p, options: dict) -> str | None:
     return f"off (option {option}={chosen!r})" if chosen is None or chosen is False else None
 
 
-def run_pipeline(gm: fx.GraphModule, options: dict | None = None, passes=None,
-                 pipeline: str = "convert") -> tuple[fx.GraphModule, PassContext]:
-    ctx = PassContext(options=dict(options or {}), pipeline=pipeline)
+def run_pipeline(gm: fx.GraphModule, options: dict | None = None, passes=None, pipeline: str = "convert",
+                 example_inputs: list | None = None) -> tuple[fx.GraphModule, PassContext]:
+    ctx = PassContext(options=dict(options or {}), pipeline=pipeline, example_inputs=example_inputs)
     verbose = os.environ.get("MOECOMPILE_PRINT_GRAPH", "") not in ("", "0") or bool(ctx.options.get("print_graph"))
     try:
         expected = output_signature(gm)
