@@ -50,12 +50,12 @@ def _row_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(offsets, torch.arange(rows, device=offsets.device, dtype=offsets.dtype), right=True)
 
 
-def _routable(router_logits: torch.Tensor, top_k: int) -> bool:
+def _routable(router_logits: torch.Tensor) -> bool:
     return router_logits.is_cuda and router_logits.shape[-1] <= triton_routing.MAX_EXPERTS
 
 
 def route(router_logits, top_k: int, capacity_factor: float, renormalize: bool):
-    if not _routable(router_logits, top_k):
+    if not _routable(router_logits):
         return reference.route(router_logits, top_k, capacity_factor, renormalize)
     weights, ids = triton_routing.topk(router_logits, top_k, renormalize)
     return reference.drop_over_capacity(weights, ids, capacity_factor, router_logits.shape[-1])
@@ -63,7 +63,7 @@ def route(router_logits, top_k: int, capacity_factor: float, renormalize: bool):
 
 def route_grouped(router_logits, top_k: int, capacity_factor: float, renormalize: bool, scoring: str,
                   correction_bias, n_group: int, topk_group: int, scaling_factor: float):
-    if n_group > 1 or not _routable(router_logits, top_k):  # group-limited selection: the reference kernel
+    if n_group > 1 or not _routable(router_logits):  # group-limited selection: the reference kernel
         return reference.route_grouped(router_logits, top_k, capacity_factor, renormalize, scoring, correction_bias,
                                        n_group, topk_group, scaling_factor)
     weights, ids = triton_routing.topk(router_logits, top_k, renormalize, scoring, correction_bias, scaling_factor)
