@@ -1,11 +1,12 @@
 """Calibrated split of the real all-MiniLM-L6-v2 into 16 experts: quality vs FFN FLOPs at every top_k.
 
-    python bench/calibrated_split.py [--tokens 40000] [--distill-steps 400] [--eval-sentences 512]
+    python bench/calibrated_split.py [--tokens 120000] [--distill-steps 1200] [--e2e-steps 800] [--eval-sentences 512]
 
 Writes bench/results/calibrated-split.md: per top_k the FFN FLOP fraction and the mean / 5th-percentile cosine of
 mean-pooled sentence embeddings vs the dense model on held-out standard-library sentences, for
 - recipe@k: co-activation k-means split, 1 shared expert (most active neurons), least-squares router,
-  conditional-mean compensation, layer-wise distillation at top_k = k (one checkpoint per k in --recipe-k),
+  conditional-mean compensation, layer-wise distillation at top_k = k, then end-to-end distillation on the
+  last hidden state (one checkpoint per k in --recipe-k); the default of `convert --calib`,
 - coact: the same split, training-free (no shared expert, no distillation),
 - random: a random split with the same least-squares router and compensation, training-free.
 """
@@ -37,8 +38,9 @@ def run(model, tokenize, cfg, tokens, held, dense_outs):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--tokens", type=int, default=40000)
-    p.add_argument("--distill-steps", type=int, default=400)
+    p.add_argument("--tokens", type=int, default=120000)
+    p.add_argument("--distill-steps", type=int, default=1200)
+    p.add_argument("--e2e-steps", type=int, default=800)
     p.add_argument("--eval-sentences", type=int, default=512)
     p.add_argument("--recipe-k", default="4,8")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "calibrated-split.md"))
@@ -53,7 +55,8 @@ def main():
     dense_outs = _outputs(model, held)
     runs = {}
     for k in [int(v) for v in a.recipe_k.split(",")]:
-        cfg = CalibConfig(experts=16, top_k=k, shared_experts=1, distill_steps=a.distill_steps)
+        cfg = CalibConfig(experts=16, top_k=k, shared_experts=1, distill_steps=a.distill_steps,
+                          e2e_steps=a.e2e_steps)
         runs[f"recipe@{k}"] = run(model, tokenize, cfg, a.tokens, held, dense_outs)
     runs["coact"] = run(model, tokenize, CalibConfig(experts=16, top_k=8), a.tokens, held, dense_outs)
     runs["random"] = run(model, tokenize, CalibConfig(experts=16, top_k=8, partition="random"), a.tokens, held,
@@ -61,7 +64,7 @@ def main():
     names = list(runs)
     lines = ["# Calibrated split of all-MiniLM-L6-v2 (16 experts)", "",
              f"Command: `python bench/calibrated_split.py --tokens {a.tokens} --distill-steps {a.distill_steps} "
-             f"--eval-sentences {a.eval_sentences} --recipe-k {a.recipe_k}`", "",
+             f"--e2e-steps {a.e2e_steps} --eval-sentences {a.eval_sentences} --recipe-k {a.recipe_k}`", "",
              f"Held-out: {n_sent} standard-library docstring sentences (packages disjoint from calibration); "
              f"calibration: {a.tokens} tokens. Cells: mean / 5th-percentile cosine of mean-pooled embeddings vs "
              "dense. `ffn_flop_fraction` counts the shared expert; recipe rows below its shared expert count are "

@@ -75,8 +75,10 @@ def _loads(model, batches) -> dict[str, list[float]]:
 
 def run_calibration(model, directory, a, progress: bool = True) -> dict[str, bytes]:
     """Calibrate model in place from the CLI arguments; returns the report files to save with the checkpoint."""
-    cfg = CalibConfig(experts=a.experts, top_k=a.top_k, shared_experts=a.shared_experts, shared_kind=a.shared_kind,
+    shared = a.shared_experts if a.shared_experts is not None else int(a.top_k > 1)
+    cfg = CalibConfig(experts=a.experts, top_k=a.top_k, shared_experts=shared, shared_kind=a.shared_kind,
                       partition=a.partition, router_steps=a.router_steps, distill_steps=a.distill_steps,
+                      e2e_steps=a.e2e_steps,
                       capacity_factor=a.capacity_factor, seed=a.seed)
     if a.calib_tokens < 1:
         raise MoECompileError(f"--calib-tokens must be positive, got {a.calib_tokens}")

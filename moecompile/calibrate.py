@@ -18,6 +18,10 @@ Per FFN, on the FFN inputs that calibration text produces in the dense model:
 5. distillation (`distill_steps`): Adam on every block parameter (router through the straight-through unit
    gates, experts, shared expert, compensation) against the dense FFN's outputs on the calibration inputs,
    the top_k drawn per step from `distill_top_k` so one checkpoint serves several k.
+6. end-to-end distillation (`e2e_steps`), after every FFN is converted: Adam on all blocks at once against the
+   dense model's last hidden state on the calibration sentences, loss (1 - cosine of the mean-pooled states) +
+   (1 - mean per-token cosine), i.e. the quality metric itself; it corrects the error that layer-wise
+   distillation lets compound through the layers.
 
 The result is an ordinary MoEBlock (shared_expert_size, router_bias, compensation are MoEConfig options), saved
 and reloaded by moecompile.save / load.
@@ -61,6 +65,8 @@ class CalibConfig:
     lr: float = 1e-3
     batch_tokens: int = 1024
     ridge: float = 1e-3  # router least squares: relative ridge on the input covariance
+    e2e_steps: int = 0  # end-to-end steps (one calibration batch of sentences each) after the layer-wise stage
+    e2e_lr: float = 3e-4
     capacity_factor: float = 0.0
     seed: int = 0
 
@@ -80,7 +86,7 @@ class CalibConfig:
                                       f"{self.experts}")
         if self.shared_kind not in ("neurons", "linear"):
             raise MoECompileError(f"shared_kind must be 'neurons' or 'linear', got {self.shared_kind!r}")
-        if self.router_steps < 0 or self.distill_steps < 0:
+        if self.router_steps < 0 or self.distill_steps < 0 or self.e2e_steps < 0:
             raise MoECompileError("router and distillation steps must be >= 0")
 
     @property
@@ -437,9 +443,16 @@ def _model_kwargs(model: nn.Module, enc: dict) -> dict:
     return kwargs
 
 
+def _last_hidden(model: nn.Module, enc: dict) -> torch.Tensor:
+    """The model's last hidden state [B, T, H] (after a decoder's final norm)."""
+    return model(**_model_kwargs(model, enc), output_hidden_states=True).hidden_states[-1].float()
+
+
 @torch.no_grad()
-def collect_ffn_inputs(model: nn.Module, owners: list[str], batches: list[dict], progress: bool = True):
-    """The input of each FFN module (real tokens only, padding dropped) over the batches: {owner: [N, H]}."""
+def collect_ffn_inputs(model: nn.Module, owners: list[str], batches: list[dict], progress: bool = True,
+                       final: list | None = None):
+    """The input of each FFN module (real tokens only, padding dropped) over the batches: {owner: [N, H]}; the
+    model's last hidden state per batch is appended to `final` if given."""
     found: dict[str, list[torch.Tensor]] = {o: [] for o in owners}
     mask = {}
     hooks = [model.get_submodule(o).register_forward_pre_hook(
@@ -447,11 +460,58 @@ def collect_ffn_inputs(model: nn.Module, owners: list[str], batches: list[dict],
     try:
         for enc in tqdm(batches, desc="calibration forward", unit="batch", disable=not progress):
             mask["m"] = enc["attention_mask"].bool()
-            model(**_model_kwargs(model, enc))
+            if final is None:
+                model(**_model_kwargs(model, enc))
+            else:
+                final.append(_last_hidden(model, enc))
     finally:
         for h in hooks:
             h.remove()
     return {o: torch.cat(v) for o, v in found.items()}
+
+
+def _embedding_loss(h: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(1 - cosine of mean-pooled states) + (1 - mean per-token cosine) over the real tokens."""
+    m = mask.unsqueeze(-1).float()
+    pooled = F.cosine_similarity((h * m).sum(1), (target * m).sum(1), dim=-1).mean()
+    tokens = F.cosine_similarity(h[mask], target[mask], dim=-1).mean()
+    return 2.0 - pooled - tokens
+
+
+def distill_end_to_end(model: nn.Module, batches: list[dict], targets: list[torch.Tensor], steps: int, lr: float,
+                       seed: int, progress: bool = True) -> float:
+    """Adam on the parameters of every MoEBlock at once (the rest of the model frozen) so the converted model's
+    last hidden state matches the dense model's (`targets`, one per batch); one random batch per step."""
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    if steps <= 0 or not blocks or not batches:
+        return float("nan")
+    frozen = {p: p.requires_grad for p in model.parameters()}
+    params = [p for b in blocks for p in b.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    for b in blocks:  # the dense masked computation: same function, several times faster to train on CPU
+        b.forward = lambda x, top_k=None, capacity_factor=None, b=b: masked_forward(
+            b, x.reshape(-1, x.shape[-1]), b.config.top_k).reshape(x.shape)
+    opt = torch.optim.Adam(params, lr=lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    loss = torch.zeros(())
+    try:
+        for _ in tqdm(range(steps), desc="end-to-end distill", unit="step", disable=not progress):
+            i = int(torch.randint(len(batches), (1,), generator=gen))
+            loss = _embedding_loss(_last_hidden(model, batches[i]), targets[i], batches[i]["attention_mask"].bool())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    finally:
+        for b in blocks:
+            del b.forward
+        for p, flag in frozen.items():
+            p.requires_grad_(flag)
+    return float(loss.detach())
 
 
 def calibrated_block(ffn: DenseFFN, x: torch.Tensor, cfg: CalibConfig, seed: int,
@@ -496,14 +556,16 @@ def calibrated_block(ffn: DenseFFN, x: torch.Tensor, cfg: CalibConfig, seed: int
 def calibrate_model(model: nn.Module, batches: list[dict], cfg: CalibConfig, layers=None,
                     progress: bool = True) -> list[dict]:
     """Replace the model's FFNs (those `layers` selects) by calibrated MoE blocks, in place; returns per-layer
-    stats. FFN inputs come from one forward pass of the dense model over the calibration batches."""
+    stats. FFN inputs (and, for `e2e_steps`, the dense last hidden states) come from one forward pass of the
+    dense model over the calibration batches."""
     model.eval()
     found, skipped = find_dense_ffns(model)
     if not found:
         why = f" ({'; '.join(skipped)})" if skipped else ""
         raise MoECompileError(f"no FFN found in {type(model).__name__}{why}")
     chosen = [found[i] for i in parse_layers(layers, len(found))]
-    inputs = collect_ffn_inputs(model, [f.owner for f in chosen], batches, progress)
+    targets = [] if cfg.e2e_steps else None
+    inputs = collect_ffn_inputs(model, [f.owner for f in chosen], batches, progress, final=targets)
     rows = []
     for n, ffn in enumerate(tqdm(chosen, desc="calibrate", unit="layer", disable=not progress)):
         block, stats = calibrated_block(ffn, inputs.pop(ffn.owner), cfg, cfg.seed + n, progress, ffn.owner)
@@ -512,6 +574,9 @@ def calibrate_model(model: nn.Module, batches: list[dict], cfg: CalibConfig, lay
             model.set_submodule(path, nn.Identity())
         layout.record(model, ffn.owner, block.config, ffn.identity)
         rows.append({"path": ffn.owner, **stats})
+    if cfg.e2e_steps:
+        distill_end_to_end(model, batches, targets, cfg.e2e_steps, cfg.e2e_lr, cfg.seed, progress)
+        model.eval()
     return rows
 
 

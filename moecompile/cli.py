@@ -39,14 +39,19 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--calib", default=None, metavar="SOURCE",
                    help="split: calibrate on text: 'stdlib' (Python standard library docstrings) or a text FILE")
-    c.add_argument("--calib-tokens", type=int, default=40000, help="calibration tokens (default 40000)")
-    c.add_argument("--shared-experts", type=int, default=0, help="always-on expert-equivalents, counted in --top-k")
+    c.add_argument("--calib-tokens", type=int, default=120000, help="calibration tokens (default 120000)")
+    c.add_argument("--shared-experts", type=int, default=None,
+                   help="always-on expert-equivalents, counted in --top-k (default with --calib: 1 if --top-k > 1)")
     c.add_argument("--shared-kind", choices=("neurons", "linear"), default="neurons",
                    help="shared expert: the most active neurons, or a linear map of the same cost")
     c.add_argument("--partition", choices=("kmeans", "graph", "random", "weights"), default="kmeans",
                    help="how neurons are grouped into experts (default kmeans on co-activation)")
     c.add_argument("--router-steps", type=int, default=0, help="router training steps after the least-squares fit")
-    c.add_argument("--distill-steps", type=int, default=0, help="layer-wise distillation steps per FFN")
+    c.add_argument("--distill-steps", type=int, default=1200, help="layer-wise distillation steps per FFN "
+                                                                    "(default 1200)")
+    c.add_argument("--e2e-steps", type=int, default=800,
+                   help="end-to-end distillation steps on the last hidden state after the layer-wise stage "
+                        "(default 800)")
     c.add_argument("--eval-sentences", type=int, default=256, help="held-out sentences for the report (0: none)")
     c.add_argument("--max-shard-size", default="5GB", help="shard model.safetensors above this size (default 5GB)")
     c.add_argument("--fp8", action="store_true",

@@ -1,4 +1,5 @@
 """Calibrated split: block options, partitions, router fit, distillation, CLI and report (tiny random models)."""
+import copy
 import json
 
 import pytest
@@ -138,6 +139,34 @@ def test_distillation_reduces_ffn_error_and_is_deterministic():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("name", ["tiny-bert", "tiny-gpt2"])
+def test_end_to_end_distillation_lowers_embedding_loss_and_is_deterministic(name):
+    dense = tiny(name)
+    texts = [f"sentence number {i} says {'abc ' * (i % 5)} and more" for i in range(48)]
+    batches = C.token_batches(C.ByteTokenizer(dense.config.vocab_size), texts, 2000, batch=8)
+    with torch.no_grad():
+        targets = [C._last_hidden(dense, b) for b in batches]
+    split = copy.deepcopy(dense)
+    C.calibrate_model(split, batches, C.CalibConfig(experts=4, top_k=2, shared_experts=1), progress=False)
+
+    def loss(model):
+        with torch.no_grad():
+            return sum(C._embedding_loss(C._last_hidden(model, b), t, b["attention_mask"].bool()).item()
+                       for b, t in zip(batches, targets))
+
+    runs = []
+    for _ in range(2):
+        model = copy.deepcopy(split)
+        C.distill_end_to_end(model, batches, targets, steps=40, lr=3e-3, seed=0, progress=False)
+        runs.append(model)
+    assert loss(runs[0]) < 0.7 * loss(split)
+    for p, q in zip(runs[0].state_dict().values(), runs[1].state_dict().values()):
+        assert torch.equal(p, q)
+    blocks = [m for m in runs[0].modules() if isinstance(m, MoEBlock)]
+    assert blocks and all("forward" not in vars(b) for b in blocks)  # the block's own forward is back
+    assert all(p.requires_grad for p in runs[0].parameters())
+
+
 def test_linear_shared_expert_lowers_error_at_same_cost():
     ffn, x = ffn_and_inputs(n=800)
     base = C.CalibConfig(experts=4, top_k=2)
@@ -151,7 +180,7 @@ def test_linear_shared_expert_lowers_error_at_same_cost():
 
 
 @pytest.mark.parametrize("kw", [dict(shared_experts=4), dict(top_k=5), dict(partition="spectral"),
-                                dict(distill_top_k=(0,)), dict(shared_kind="mlp")])
+                                dict(distill_top_k=(0,)), dict(shared_kind="mlp"), dict(e2e_steps=-1)])
 def test_calib_config_validation(kw):
     with pytest.raises(MoECompileError):
         C.CalibConfig(**{"experts": 4, "top_k": 2, **kw})
@@ -162,13 +191,14 @@ def test_cli_calibrated_split_writes_report(tmp_path, capsys, name, metric):
     out = tmp_path / "out"
     rc = main(["convert", name, "--random-init", "--experts", "4", "--top-k", "2", "--method", "split",
                "--calib", "stdlib", "--calib-tokens", "600", "--shared-experts", "1", "--distill-steps", "2",
-               "--router-steps", "2", "--eval-sentences", "32", "--capacity-factor", "0", "--out", str(out),
+               "--router-steps", "2", "--e2e-steps", "2", "--eval-sentences", "32", "--capacity-factor", "0", "--out", str(out),
                "--no-progress"])
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     assert (out / "report.png").stat().st_size > 0
     assert report["calibration"]["tokens"] >= 600
     assert report["config"]["router_steps"] == 2 and report["config"]["distill_steps"] == 2
+    assert report["config"]["e2e_steps"] == 2
     assert [r["top_k"] for r in report["curve"]] == [1, 2, 3, 4]
     assert [r["ffn_flop_fraction"] for r in report["curve"]] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert all(metric in r for r in report["curve"])
@@ -186,9 +216,10 @@ def test_cli_calib_file_and_errors(tmp_path, capsys):
     text.write_text("A first paragraph of text.\n\nA second paragraph with more words in it.\n")
     out = tmp_path / "out"
     assert main(["convert", "tiny-bert", "--random-init", "--experts", "4", "--top-k", "2", "--method", "split",
-                 "--calib", str(text), "--calib-tokens", "50", "--eval-sentences", "0", "--out", str(out),
-                 "--no-progress"]) == 0
-    assert json.loads((out / "report.json").read_text())["curve"] == []
+                 "--calib", str(text), "--calib-tokens", "50", "--distill-steps", "2", "--e2e-steps", "2",
+                 "--eval-sentences", "0", "--out", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["curve"] == [] and report["config"]["shared_experts"] == 1  # the default with --calib
     assert main(["convert", "tiny-bert", "--random-init", "--experts", "4", "--method", "upcycle",
                  "--calib", "stdlib", "--out", str(tmp_path / "x")]) == 2
     assert main(["convert", "tiny-bert", "--random-init", "--experts", "4", "--method", "split",
