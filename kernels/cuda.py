@@ -12,17 +12,18 @@ import torch
 from . import reference, triton_fp8, triton_moe, triton_routing
 
 # Expert GEMM kernels per projection: "triton_tma" / "triton" = a Triton grouped GEMM with bias (+ activation, first
-# projection) in its epilogue, operands loaded by TMA (Hopper) or by pointers; "grouped_mm" = torch._grouped_mm
+# projection) in its epilogue, operands loaded by TMA (Hopper) or by pointers; "triton_persistent" = the TMA one as a
+# persistent kernel (one program per SM, epilogue overlapped with the next tile); "grouped_mm" = torch._grouped_mm
 # (CUTLASS), after the first projection a one-pass Triton activation. "auto" takes the measured choice below.
 FFN_IN = os.environ.get("MOECOMPILE_FFN_IN", "auto")
 FFN_OUT = os.environ.get("MOECOMPILE_FFN_OUT", "auto")
 # (hidden, expert_size, experts, regime) -> (first, second projection): the fastest pair on an H200 in
 # bench/results/gpu-moe-layer.md (regime "decode": under 64 rows per expert). Unmeasured shapes use grouped_mm.
-MEASURED = {(768, 3072, 16, "batch"): ("triton_tma", "grouped_mm"),
-            (4096, 14336, 8, "batch"): ("triton_tma", "grouped_mm"),
+MEASURED = {(768, 3072, 16, "batch"): ("triton_persistent", "triton_persistent"),
+            (4096, 14336, 8, "batch"): ("triton_persistent", "triton_persistent"),
             (4096, 14336, 8, "decode"): ("triton_tma", "triton_tma"),
-            (2048, 768, 128, "batch"): ("triton_tma", "grouped_mm"),
-            (7168, 2048, 256, "batch"): ("triton_tma", "triton_tma")}
+            (2048, 768, 128, "batch"): ("triton_persistent", "triton_persistent"),
+            (7168, 2048, 256, "batch"): ("triton_persistent", "triton_persistent")}
 DECODE_ROWS_PER_EXPERT = 64
 
 
@@ -89,14 +90,15 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     if not grouped_mm_supported(x, w_in, w_out):
         return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
     first, second = _variants(x.shape[0], x.shape[1], w_out.shape[2], w_out.shape[0])
-    tma = triton_moe.tma_supported(x, w_in)
+    if not triton_moe.tma_supported(x, w_in):  # unaligned rows: the pointer-load kernel
+        first, second = ("triton" if v.startswith("triton") else v for v in (first, second))
     if first.startswith("triton"):
-        a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, tma=tma and first == "triton_tma")
+        a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, variant=first)
     else:
         h = _grouped(x, w_in.transpose(-2, -1), offsets)
         a = triton_moe.expert_activation(h, offsets, b_in, activation, gated)
     if second.startswith("triton"):
-        return triton_moe.grouped_ffn_in(a, offsets, w_out, b_out, None, False, tma=tma and second == "triton_tma")
+        return triton_moe.grouped_ffn_in(a, offsets, w_out, b_out, None, False, variant=second)
     y = _grouped(a, w_out.transpose(-2, -1), offsets)
     if b_out is not None:
         rows = _row_expert(offsets, y.shape[0]).clamp_max(w_out.shape[0] - 1)

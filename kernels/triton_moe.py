@@ -232,33 +232,48 @@ def _ffn_in_configs():
 
 
 @triton.jit
-def _expert_tile(offsets_ptr, n_rows, num_experts, width: tl.constexpr, E_PAD: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's output tile of a grouped GEMM over rows in expert order: (live, expert, rows, row mask,
-    n-block). M tiles never straddle two experts; the tile table is rebuilt from offsets in every program (E
-    values), so no host-side schedule is needed and the launch stays capturable. Programs past the last tile
-    (the grid is sized for the worst case, cdiv(rows, BLOCK_M) + E) are not live."""
+def _tile_table(offsets_ptr, num_experts, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per expert (padded to E_PAD): cumulative count of BLOCK_M row tiles (huge past the last expert), first and
+    end row, and the number of live M tiles. Rebuilt from offsets on the device, so no host-side schedule is
+    needed and launches stay capturable."""
     e_idx = tl.arange(0, E_PAD)
     valid = e_idx < num_experts
     ends = tl.load(offsets_ptr + e_idx, mask=valid, other=0)
     begins = tl.load(offsets_ptr + e_idx - 1, mask=valid & (e_idx > 0), other=0)
     tile_ends = tl.cumsum((ends - begins + BLOCK_M - 1) // BLOCK_M, axis=0)
     total_tiles = tl.max(tl.where(valid, tile_ends, 0), axis=0)
-    tile_ends = tl.where(valid, tile_ends, 2147483647)
-    pid = tl.program_id(0)
-    max_tiles_m = tl.cdiv(n_rows, BLOCK_M) + num_experts
+    return tl.where(valid, tile_ends, 2147483647), begins, ends, total_tiles
+
+
+@triton.jit
+def _tile_at(tile, tile_ends, begins, ends, tiles_m, width: tl.constexpr, E_PAD: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile number `tile` of a grouped GEMM over rows in expert order -> (M tile, expert, rows, row mask,
+    N tile). M tiles never straddle two experts; GROUP_M neighbouring tiles share weight and row tiles in L2."""
+    e_idx = tl.arange(0, E_PAD)
     tiles_n: tl.constexpr = (width + BLOCK_N - 1) // BLOCK_N
-    group = pid // (GROUP_M * tiles_n)  # grouped ordering: neighbouring programs share weight and row tiles in L2
-    first_m = group * GROUP_M
-    group_size = tl.minimum(max_tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
-    pid_n = (pid % (GROUP_M * tiles_n)) // group_size
+    first_m = tile // (GROUP_M * tiles_n) * GROUP_M
+    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % (GROUP_M * tiles_n)) % group_size
+    pid_n = (tile % (GROUP_M * tiles_n)) // group_size
     expert = tl.sum((tile_ends <= pid_m).to(tl.int32), axis=0)
     tile_start = tl.sum(tl.where(e_idx == expert - 1, tile_ends, 0), axis=0)
     row_begin = tl.sum(tl.where(e_idx == expert, begins, 0), axis=0)
     row_end = tl.sum(tl.where(e_idx == expert, ends, 0), axis=0)
     rows = row_begin + (pid_m - tile_start) * BLOCK_M + tl.arange(0, BLOCK_M)
-    return pid_m < total_tiles, expert, rows, rows < row_end, pid_n
+    return pid_m, expert, rows, rows < row_end, pid_n
+
+
+@triton.jit
+def _expert_tile(offsets_ptr, n_rows, num_experts, width: tl.constexpr, E_PAD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile: (live, expert, rows, row mask, N tile). The grid is sized for the worst case,
+    (cdiv(rows, BLOCK_M) + E) M tiles; programs past the last live tile are not live."""
+    tile_ends, begins, ends, total_tiles = _tile_table(offsets_ptr, num_experts, E_PAD, BLOCK_M)
+    pid_m, expert, rows, rmask, pid_n = _tile_at(tl.program_id(0), tile_ends, begins, ends,
+                                                 tl.cdiv(n_rows, BLOCK_M) + num_experts, width, E_PAD, BLOCK_M,
+                                                 BLOCK_N, GROUP_M)
+    return pid_m < total_tiles, expert, rows, rmask, pid_n
 
 
 @triton.jit
@@ -325,40 +340,109 @@ def _ffn_in_tma_configs():
 
 
 @triton.jit
+def _tma_weight_desc(w_ptr, num_experts, hidden: tl.constexpr, width: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """TMA descriptor of the weights [E, (2 x) width, hidden]. Gated: one copy brings the gate and up rows of the
+    same BLOCK_N outputs, interleaved (a [E, width, 2, hidden] view), so one m64n256 wgmma computes both (3-10%
+    faster than a dot each, bench/results/gpu-expert-gemms.md)."""
+    if GATED:
+        desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts, width, 2, hidden],
+                                         strides=[2 * width * hidden, hidden, width * hidden, 1],
+                                         block_shape=[1, BLOCK_N, 2, BLOCK_K])
+    else:
+        in_width: tl.constexpr = 2 * width if GATED else width
+        desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * in_width, hidden], strides=[hidden, 1],
+                                         block_shape=[BLOCK_N, BLOCK_K])
+    return desc
+
+
+@triton.jit
+def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, expert, rows, rmask, pid_n, hidden: tl.constexpr,
+              width: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One output tile from TMA-loaded operands: the k loop, bias + activation, the masked store. A row tile may
+    read rows of the next expert's group (and, ungated, weight rows past this expert's width); those only reach
+    outputs the masked store skips."""
+    row0 = tl.min(rows, axis=0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < width
+    if GATED:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            w = w_desc.load([expert, pid_n * BLOCK_N, 0, k0]).reshape(2 * BLOCK_N, BLOCK_K)
+            acc = tl.dot(x_desc.load([row0, k0]), w.T, acc)
+        gate, up = tl.split(acc.reshape(BLOCK_M, BLOCK_N, 2))  # columns alternate gate, up: register-local
+    else:
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            gate = tl.dot(x_desc.load([row0, k0]), w_desc.load([expert * width + pid_n * BLOCK_N, k0]).T, gate)
+        up = gate  # unused
+    out = _bias_activation(gate, up, bias_ptr, expert, cols, cmask, width, HAS_BIAS, GATED, ACT)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def _grouped_ffn_in_tma_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows, num_experts, rows_bucket,
                                hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr,
                                GATED: tl.constexpr, ACT: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """_grouped_ffn_in_kernel with its operands loaded by the tensor memory accelerator (Hopper TMA): whole
-    [BLOCK_M, BLOCK_K] row tiles and [BLOCK_N, BLOCK_K] weight tiles per copy. A tile may read rows of the next
-    expert's group or weight rows past this expert's width; those only reach outputs the masked store skips."""
+    [BLOCK_M, BLOCK_K] row tiles and weight tiles per copy."""
     live, expert, rows, rmask, pid_n = _expert_tile(offsets_ptr, n_rows, num_experts, width, E_PAD, BLOCK_M,
                                                     BLOCK_N, GROUP_M)
     if live:
-        in_width: tl.constexpr = 2 * width if GATED else width
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[n_rows, hidden], strides=[hidden, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * in_width, hidden], strides=[hidden, 1],
-                                           block_shape=[BLOCK_N, BLOCK_K])
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < width
-        row0 = tl.min(rows, axis=0)
-        w_row = expert * in_width + pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            a = x_desc.load([row0, k0])
-            acc = tl.dot(a, w_desc.load([w_row, k0]).T, acc)
-            if GATED:
-                acc_up = tl.dot(a, w_desc.load([w_row + width, k0]).T, acc_up)
-        out = _bias_activation(acc, acc_up, bias_ptr, expert, cols, cmask, width, HAS_BIAS, GATED, ACT)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & cmask[None, :])
+        w_desc = _tma_weight_desc(w_ptr, num_experts, hidden, width, GATED, BLOCK_N, BLOCK_K)
+        _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, expert, rows, rmask, pid_n, hidden, width, HAS_BIAS, GATED, ACT,
+                  BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 _grouped_ffn_in_tma_tuned = triton.autotune(configs=_ffn_in_tma_configs(),
                                             key=["rows_bucket", "hidden", "width", "num_experts", "GATED"])(
     _grouped_ffn_in_tma_kernel)
+
+
+@triton.jit
+def _grouped_ffn_in_persistent_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows, num_experts, rows_bucket,
+                                      hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                      GATED: tl.constexpr, ACT: tl.constexpr, E_PAD: tl.constexpr,
+                                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                      GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, INTERPRET: tl.constexpr):
+    """_grouped_ffn_in_tma_kernel as a persistent kernel: one program per SM walks the live tiles, so the tile
+    table is built once per SM and the flattened loop overlaps a tile's epilogue with the next tile's loads.
+    (Triton 3.6's warp_specialize leaves this loop unchanged on sm_90: same PTX.)"""
+    tile_ends, begins, ends, tiles_m = _tile_table(offsets_ptr, num_experts, E_PAD, BLOCK_M)
+    tiles_n: tl.constexpr = (width + BLOCK_N - 1) // BLOCK_N
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[n_rows, hidden], strides=[hidden, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = _tma_weight_desc(w_ptr, num_experts, hidden, width, GATED, BLOCK_N, BLOCK_K)
+    if INTERPRET:  # the interpreter's ranges take no device scalars (numpy 2); its while loops do
+        tile = tl.program_id(0)
+        while tile < tiles_m * tiles_n:
+            _, expert, rows, rmask, pid_n = _tile_at(tile, tile_ends, begins, ends, tiles_m, width, E_PAD, BLOCK_M,
+                                                     BLOCK_N, GROUP_M)
+            _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, expert, rows, rmask, pid_n, hidden, width, HAS_BIAS, GATED,
+                      ACT, BLOCK_M, BLOCK_N, BLOCK_K)
+            tile += NUM_SMS
+    else:
+        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, flatten=True):
+            _, expert, rows, rmask, pid_n = _tile_at(tile, tile_ends, begins, ends, tiles_m, width, E_PAD, BLOCK_M,
+                                                     BLOCK_N, GROUP_M)
+            _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, expert, rows, rmask, pid_n, hidden, width, HAS_BIAS, GATED,
+                      ACT, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+def _ffn_in_persistent_configs():
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+                                     (64, 128, 64, 4, 4))]
+
+
+_grouped_ffn_in_persistent_tuned = triton.autotune(configs=_ffn_in_persistent_configs(),
+                                                   key=["rows_bucket", "hidden", "width", "num_experts", "GATED"])(
+    _grouped_ffn_in_persistent_kernel)
 
 
 def _tma_scratch(size: int, alignment: int, stream):
@@ -371,10 +455,22 @@ def tma_supported(x: torch.Tensor, w_in: torch.Tensor) -> bool:
     return aligned and (not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
+# The grouped GEMM kernels by name: (fixed-tile kernel, autotuned kernel, persistent, needs TMA).
+GROUPED_GEMMS = {"triton": (_grouped_ffn_in_kernel, _grouped_ffn_in_tuned, False, False),
+                 "triton_tma": (_grouped_ffn_in_tma_kernel, _grouped_ffn_in_tma_tuned, False, True),
+                 "triton_persistent": (_grouped_ffn_in_persistent_kernel, _grouped_ffn_in_persistent_tuned, True,
+                                       True)}
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def grouped_ffn_in(x: torch.Tensor, offsets: torch.Tensor, w_in: torch.Tensor, b_in, activation: str, gated: bool,
-                   config: dict | None = None, tma: bool = False) -> torch.Tensor:
+                   config: dict | None = None, variant: str = "triton") -> torch.Tensor:
     """Fused first projection + bias + activation over rows in expert order; rows past offsets[-1] untouched.
-    `config` fixes the tiles (tests, the interpreter: BLOCK_M/N/K, GROUP_M); otherwise autotuned per shape.
+    `variant` names the kernel (GROUPED_GEMMS; the TMA ones need tma_supported). `config` fixes the tiles (tests,
+    the interpreter: BLOCK_M/N/K, GROUP_M); otherwise autotuned per shape.
     With activation None it is a plain projection x W^T + b (the second one)."""
     n_rows, hidden = x.shape
     num_experts, in_width, _ = w_in.shape
@@ -383,17 +479,21 @@ def grouped_ffn_in(x: torch.Tensor, offsets: torch.Tensor, w_in: torch.Tensor, b
     if n_rows == 0:
         return out
     x, w_in = x.contiguous(), w_in.contiguous()
+    fixed, tuned, persistent, tma = GROUPED_GEMMS[variant]
+    extra = {}
+    if persistent:
+        extra.update(NUM_SMS=_num_sms(x.device), INTERPRET=not x.is_cuda)
 
     def grid(meta):
+        if persistent:
+            return (meta["NUM_SMS"],)
         return ((triton.cdiv(n_rows, meta["BLOCK_M"]) + num_experts) * triton.cdiv(width, meta["BLOCK_N"]),)
 
     if tma:
         triton.set_allocator(_tma_scratch)  # descriptors built on the device need a little global scratch
-        kernel = _grouped_ffn_in_tma_kernel if config is not None else _grouped_ffn_in_tma_tuned
-    else:
-        kernel = _grouped_ffn_in_kernel if config is not None else _grouped_ffn_in_tuned
+    kernel = fixed if config is not None else tuned
     kernel[grid](x, w_in, b_in if b_in is not None else x, offsets, out, n_rows, num_experts,
                  triton.next_power_of_2(n_rows), hidden=hidden, width=width, HAS_BIAS=b_in is not None, GATED=gated,
                  ACT=ACTIVATION_IDS[activation] if activation else -1, E_PAD=triton.next_power_of_2(num_experts),
-                 **(config or {}))
+                 **extra, **(config or {}))
     return out

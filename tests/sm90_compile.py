@@ -32,6 +32,10 @@ def cases():
                                         (False, -1, True, "no activation (second projection)")):
             yield kernel, label, gemm, dict(tiles, HAS_BIAS=bias, GATED=gated, ACT=act), dict(num_warps=8,
                                                                                                num_stages=3)
+    for gated, act, bias, label in ((True, 3, False, "swiglu"), (False, -1, True, "second projection")):
+        yield (triton_moe._grouped_ffn_in_persistent_kernel, label, gemm,
+               dict(tiles, HAS_BIAS=bias, GATED=gated, ACT=act, NUM_SMS=132, INTERPRET=False),
+               dict(num_warps=8, num_stages=3))
     act = {"h_ptr": BF16, "bias_ptr": BF16, "offsets_ptr": "*i32", "out_ptr": BF16}
     yield (triton_moe._expert_activation_kernel, "swiglu", act,
            dict(HAS_BIAS=True, GATED=True, ACT=3, BLOCK_M=32, BLOCK_N=128, E_PAD=8), {})

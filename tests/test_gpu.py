@@ -35,7 +35,8 @@ def _bf16(*ts):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0, -1.5])
 @pytest.mark.parametrize("ffn_in,ffn_out", [("triton_tma", "grouped_mm"), ("triton", "grouped_mm"),
-                                             ("grouped_mm", "grouped_mm"), ("triton_tma", "triton_tma")])
+                                             ("grouped_mm", "grouped_mm"), ("triton_tma", "triton_tma"),
+                                             ("triton_persistent", "triton_persistent")])
 def test_cuda_layer_matches_float32_reference(activation, gated, bias, capacity_factor, ffn_in, ffn_out,
                                               monkeypatch):
     monkeypatch.setattr(C, "FFN_IN", ffn_in)

@@ -87,24 +87,24 @@ def test_combine_backward_and_gather_sum_match_reference():
                                R.dispatch_backward(grad_sorted, order, tokens, top_k), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-def test_grouped_projection_without_activation(tma):
+@pytest.mark.parametrize("variant", list(triton_moe.GROUPED_GEMMS))
+def test_grouped_projection_without_activation(variant):
     """activation None: the plain second projection x W^T + b per expert group (rows past the groups untouched)."""
     gen = torch.Generator().manual_seed(6)
     offsets = _offsets([7, 0, 18, 2])
     x = torch.randn(30, 40, generator=gen)
     w, b = torch.randn(4, 24, 40, generator=gen), torch.randn(4, 24, generator=gen)
     got = triton_moe.grouped_ffn_in(x, offsets, w, b, None, False,
-                                    config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, tma=tma)
+                                    config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, variant=variant)
     expert = torch.searchsorted(offsets, torch.arange(27, dtype=torch.int32), right=True)
     torch.testing.assert_close(got[:27], torch.einsum("rh,rfh->rf", x[:27], w[expert]) + b[expert],
                                atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("variant", list(triton_moe.GROUPED_GEMMS))
 @pytest.mark.parametrize("activation,gated,bias", [("silu", True, False), ("gelu_tanh", False, True),
                                                    ("relu", True, True), ("gelu", False, False)])
-def test_grouped_ffn_in_matches_reference(activation, gated, bias, tma):
+def test_grouped_ffn_in_matches_reference(activation, gated, bias, variant):
     gen = torch.Generator().manual_seed(5)
     counts = [20, 0, 9, 3]  # empty expert, groups not multiples of the tile, 4 dropped rows after
     offsets = _offsets(counts)
@@ -113,7 +113,7 @@ def test_grouped_ffn_in_matches_reference(activation, gated, bias, tma):
     w_in = torch.randn(4, 2 * width if gated else width, hidden, generator=gen) * 0.3
     b_in = torch.randn(4, w_in.shape[1], generator=gen) if bias else None
     got = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated,
-                                    config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, tma=tma)
+                                    config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, variant=variant)
     kept = int(offsets[-1])
     expert = torch.searchsorted(offsets, torch.arange(kept, dtype=torch.int32), right=True)
     h = torch.einsum("rh,rfh->rf", x[:kept], w_in[expert])
@@ -127,8 +127,8 @@ def test_cuda_kernel_choice_follows_the_measurements(monkeypatch):
 
     monkeypatch.setattr(C, "FFN_IN", "auto")
     monkeypatch.setattr(C, "FFN_OUT", "auto")
-    assert C._variants(32768, 7168, 2048, 256) == ("triton_tma", "triton_tma")  # DeepSeek-V3, batch
-    assert C._variants(8192, 4096, 14336, 8) == ("triton_tma", "grouped_mm")  # Mixtral, batch
+    assert C._variants(32768, 7168, 2048, 256) == ("triton_persistent", "triton_persistent")  # DeepSeek-V3, batch
+    assert C._variants(8192, 4096, 14336, 8) == ("triton_persistent", "triton_persistent")  # Mixtral, batch
     assert C._variants(128, 4096, 14336, 8) == ("triton_tma", "triton_tma")  # Mixtral, decode
     assert C._variants(4096, 1000, 500, 8) == ("grouped_mm", "grouped_mm")  # unmeasured
     monkeypatch.setattr(C, "FFN_OUT", "triton")

@@ -1,0 +1,85 @@
+"""Expert GEMMs on the dispatched rows of one MoE layer, each projection alone: which kernel (issue 9).
+
+On the device:  python bench/expert_gemms.py --out bench/results/gpu-expert-gemms.md
+
+Same rows (random router, dropless) and weights; median ms. First projection = act(x W_in^T) (SwiGLU), second =
+a W_out^T. Variants:
+- grouped_mm:         torch._grouped_mm (CUTLASS); for the first projection then moecompile's Triton activation pass;
+- triton:             moecompile's Triton grouped GEMM, bias/activation in its epilogue, pointer loads, autotuned;
+- triton_tma:         the same with tensor-memory-accelerator loads, autotuned;
+- triton_persistent:  the TMA kernel as a persistent kernel (one program per SM), autotuned;
+then each tile config of the TMA kernels. The gated first projection loads gate and up rows in one interleaved TMA
+box and computes both with one dot.
+The winner per shape and projection goes into kernels/cuda.py's MEASURED (checked in the whole layer by
+bench/moe_layer.py).
+"""
+from __future__ import annotations
+
+import torch
+
+import options_table
+from moecompile.kernels import triton_moe
+
+SHAPES = {"gpt2-upcycled": (768, 3072, 16, 2, 16384), "mixtral": (4096, 14336, 8, 2, 4096),
+          "qwen3-moe": (2048, 768, 128, 8, 8192), "deepseek-v3": (7168, 2048, 256, 8, 4096)}
+TRITON = ("triton", "triton_tma", "triton_persistent")
+CONFIGS = {"triton_tma": triton_moe._ffn_in_tma_configs, "triton_persistent": triton_moe._ffn_in_persistent_configs}
+
+
+def ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def run(name, d, f, e, k, tokens, lines):
+    from moecompile import ops
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    w_in = torch.randn(e, 2 * f, d, generator=g, device=dev, dtype=torch.bfloat16) * d ** -0.5
+    w_out = torch.randn(e, d, f, generator=g, device=dev, dtype=torch.bfloat16) * f ** -0.5
+    router = torch.randn(e, d, generator=g, device=dev, dtype=torch.bfloat16) * d ** -0.5
+    x = torch.randn(tokens, d, generator=g, device=dev, dtype=torch.bfloat16)
+    _, ids = ops.route(x @ router.t(), k, 0.0, True)
+    rows, _, offsets = ops.dispatch(x, ids, e)
+    a = torch.randn(rows.shape[0], f, generator=g, device=dev, dtype=torch.bfloat16)
+    n = int(offsets[-1])
+
+    def first_grouped_mm():
+        h = torch._grouped_mm(rows, w_in.transpose(-2, -1), offs=offsets)
+        return triton_moe.expert_activation(h, offsets, None, "silu", True)
+
+    projections = {
+        "first": (2 * n * d * 2 * f, first_grouped_mm,
+                  lambda v, c=None: triton_moe.grouped_ffn_in(rows, offsets, w_in, None, "silu", True, c, v)),
+        "second": (2 * n * f * d, lambda: torch._grouped_mm(a, w_out.transpose(-2, -1), offs=offsets),
+                   lambda v, c=None: triton_moe.grouped_ffn_in(a, offsets, w_out, None, None, False, c, v))}
+    for projection, (flops, grouped_mm, triton_fn) in projections.items():
+        variants = [("grouped_mm", grouped_mm)] + [(v, lambda v=v: triton_fn(v)) for v in TRITON]
+        configs = [(v, cfg) for v in ("triton_tma", "triton_persistent") for cfg in CONFIGS[v]()]
+        for variant, cfg in configs:
+            c = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            label = variant + " BM{BLOCK_M} BN{BLOCK_N} BK{BLOCK_K} w{num_warps} s{num_stages}".format(**c)
+            variants.append((label, lambda v=variant, c=c: triton_fn(v, c)))
+        ref, base = grouped_mm()[:n].float(), None
+        for label, fn in variants:
+            try:
+                err = ((fn()[:n].float() - ref).norm() / ref.norm()).item()
+                t = ms(fn)
+                base = base or t
+                lines.append(f"| {name} | {projection} | {label} | {t:.3f} | {flops / t / 1e9:.0f} | {base / t:.2f} "
+                             f"| {err:.1e} |")
+            except Exception as ex:
+                lines.append(f"| {name} | {projection} | {label} | failed: {str(ex).splitlines()[0][:70]} | | | |")
+            print(lines[-1], flush=True)
+
+
+def main(argv=None):
+    return options_table.main(
+        __doc__, "expert_gemms.py", "Expert GEMMs, each projection: kernel options (moecompile, issue 9)",
+        "| shape | projection | variant | ms | TF/s | speedup vs grouped_mm | err vs grouped_mm |", SHAPES, run, argv)
+
+
+if __name__ == "__main__":
+    main()
