@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 import options_table
+from options_table import ms
 from moecompile.kernels import triton_moe
 
 SHAPES = {"gpt2-upcycled": (768, 3072, 16, 2, 16384), "mixtral": (4096, 14336, 8, 2, 4096),
@@ -26,24 +27,9 @@ TRITON = ("triton", "triton_tma", "triton_persistent")
 CONFIGS = {"triton_tma": triton_moe._ffn_in_tma_configs, "triton_persistent": triton_moe._ffn_in_persistent_configs}
 
 
-def ms(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def run(name, d, f, e, k, tokens, lines):
-    from moecompile import ops
-
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    w_in = torch.randn(e, 2 * f, d, generator=g, device=dev, dtype=torch.bfloat16) * d ** -0.5
-    w_out = torch.randn(e, d, f, generator=g, device=dev, dtype=torch.bfloat16) * f ** -0.5
-    router = torch.randn(e, d, generator=g, device=dev, dtype=torch.bfloat16) * d ** -0.5
-    x = torch.randn(tokens, d, generator=g, device=dev, dtype=torch.bfloat16)
-    _, ids = ops.route(x @ router.t(), k, 0.0, True)
-    rows, _, offsets = ops.dispatch(x, ids, e)
-    a = torch.randn(rows.shape[0], f, generator=g, device=dev, dtype=torch.bfloat16)
+    w_in, w_out, rows, offsets, g = options_table.dispatched_layer(d, f, e, k, tokens)
+    a = torch.randn(rows.shape[0], f, generator=g, device=rows.device, dtype=torch.bfloat16)
     n = int(offsets[-1])
 
     def first_grouped_mm():

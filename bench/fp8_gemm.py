@@ -14,15 +14,10 @@ from __future__ import annotations
 import torch
 
 import options_table
+from options_table import ms
 
 SHAPES = {"mixtral": (4096, 14336, 8, 2, 4096), "deepseek-v3": (7168, 2048, 256, 8, 4096)}
 TRITON_CONFIGS = [(bm, w, s) for bm in (64, 128) for w in (4, 8) for s in (3, 4, 5)]
-
-
-def ms(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def rel(a, b) -> float:
@@ -37,18 +32,10 @@ def rowwise_quant(x):
 
 
 def run(name, d, f, e, k, tokens, lines):
-    from moecompile import ops
     from moecompile.fp8 import dequantize_blocks, quantize_blocks
     from moecompile.kernels import cuda, triton_fp8
 
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    w_in = torch.randn(e, 2 * f, d, generator=g, device=dev, dtype=torch.bfloat16) * d ** -0.5
-    w_out = torch.randn(e, d, f, generator=g, device=dev, dtype=torch.bfloat16) * f ** -0.5
-    router = torch.randn(e, d, generator=g, device=dev, dtype=torch.bfloat16) * d ** -0.5
-    x = torch.randn(tokens, d, generator=g, device=dev, dtype=torch.bfloat16)
-    _, ids = ops.route(x @ router.t(), k, 0.0, True)
-    rows, _, offsets = ops.dispatch(x, ids, e)
+    w_in, w_out, rows, offsets, _ = options_table.dispatched_layer(d, f, e, k, tokens)
     n = rows.shape[0]
     flops = 6 * n * d * f
     wi_q, wi_s = quantize_blocks(w_in)
@@ -118,8 +105,8 @@ def run(name, d, f, e, k, tokens, lines):
     # bare bf16 GEMMs on the same rows, for scale
     h = torch._grouped_mm(rows, w_in.transpose(-2, -1), offs=offs)
     a = torch.nn.functional.silu(h[:, :f]) * h[:, f:]
-    tb = ms(lambda: torch._grouped_mm(rows, w_in.transpose(-2, -1), offs=offs)) + ms(
-        lambda: torch._grouped_mm(a, w_out.transpose(-2, -1), offs=offs))
+    tb = (ms(lambda: torch._grouped_mm(rows, w_in.transpose(-2, -1), offs=offs))
+          + ms(lambda: torch._grouped_mm(a, w_out.transpose(-2, -1), offs=offs)))
     lines.append(f"| {name} | bf16 bare grouped_mm GEMMs | {tb:.3f} | {tf(tb):.0f} | {t_bf16 / tb:.2f} | |")
 
 

@@ -9,6 +9,28 @@ import time
 import torch
 
 
+def ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def dispatched_layer(d: int, f: int, e: int, k: int, tokens: int):
+    """Random SwiGLU expert weights (bf16, CUDA) and one layer's tokens routed by a random router and dispatched:
+    (w_in, w_out, rows, offsets, generator)."""
+    from moecompile import ops
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    w_in = torch.randn(e, 2 * f, d, generator=g, device=dev, dtype=torch.bfloat16) * d ** -0.5
+    w_out = torch.randn(e, d, f, generator=g, device=dev, dtype=torch.bfloat16) * f ** -0.5
+    router = torch.randn(e, d, generator=g, device=dev, dtype=torch.bfloat16) * d ** -0.5
+    x = torch.randn(tokens, d, generator=g, device=dev, dtype=torch.bfloat16)
+    _, ids = ops.route(x @ router.t(), k, 0.0, True)
+    rows, _, offsets = ops.dispatch(x, ids, e)
+    return w_in, w_out, rows, offsets, g
+
+
 def main(doc: str, script: str, title: str, header: str, shapes: dict, run, argv=None) -> str:
     """`run(name, *shape, lines)` appends table rows; the table goes to stdout and --out. `doc`: the script's
     docstring (first line: description; from its second paragraph on: the table's legend)."""
