@@ -68,8 +68,8 @@ def main():
              f"--e2e-steps {a.e2e_steps} --eval-sentences {a.eval_sentences} --recipe-k {a.recipe_k}`", "",
              f"Held-out: {n_sent} standard-library docstring sentences (packages disjoint from calibration); "
              f"calibration: {a.tokens} tokens. Cells: mean / 5th-percentile cosine of mean-pooled embeddings vs "
-             "dense. `ffn_flop_fraction` counts the shared expert; recipe rows below its shared expert count are "
-             "the shared expert alone.", "",
+             "dense. `ffn_flop_fraction` counts the shared experts; a recipe row at its shared expert count is "
+             "the shared experts alone (none below).", "",
              "| top_k | ffn_flop_fraction | " + " | ".join(names) + " |",
              "|---|---|" + "---|" * len(names)]
     for k in range(1, 17):
