@@ -4,9 +4,9 @@
 
 Writes bench/results/calibrated-split.md: per top_k the FFN FLOP fraction and the mean / 5th-percentile cosine of
 mean-pooled sentence embeddings vs the dense model on held-out standard-library sentences, for
-- recipe@k: co-activation k-means split, 1 shared expert (most active neurons), least-squares router,
-  conditional-mean compensation, layer-wise distillation at top_k = k, then end-to-end distillation on the
-  last hidden state (one checkpoint per k in --recipe-k); the default of `convert --calib`,
+- recipe@k: co-activation k-means split on calibration sentences, k // 2 shared experts (most active neurons),
+  least-squares router, conditional-mean compensation, layer-wise distillation at top_k = k, then end-to-end
+  distillation on the last hidden state (one checkpoint per k in --recipe-k); the default of `convert --calib`,
 - coact: the same split, training-free (no shared expert, no distillation),
 - random: a random split with the same least-squares router and compensation, training-free.
 """
@@ -19,15 +19,16 @@ from pathlib import Path
 import torch
 
 from moecompile import calib_data, models
-from moecompile.calibrate import (CalibConfig, _outputs, calibrate_model, ffn_flops, load_tokenizer, quality_curve,
-                                  token_batches)
+from moecompile.calib_report import calibration_texts
+from moecompile.calibrate import (CalibConfig, _outputs, calibrate_model, default_shared_experts, ffn_flops,
+                                  load_tokenizer, quality_curve, token_batches)
 from moecompile.block import MoEBlock
 
 
 def run(model, tokenize, cfg, tokens, held, dense_outs):
     model = copy.deepcopy(model)
     start, cpu = time.perf_counter(), time.process_time()
-    calib = token_batches(tokenize, calib_data.corpus("calib"), tokens, seed=cfg.seed)
+    calib = token_batches(tokenize, calibration_texts("stdlib"), tokens, seed=cfg.seed)
     calibrate_model(model, calib, cfg, progress=True)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
@@ -55,8 +56,8 @@ def main():
     dense_outs = _outputs(model, held)
     runs = {}
     for k in [int(v) for v in a.recipe_k.split(",")]:
-        cfg = CalibConfig(experts=16, top_k=k, shared_experts=1, distill_steps=a.distill_steps,
-                          e2e_steps=a.e2e_steps)
+        cfg = CalibConfig(experts=16, top_k=k, shared_experts=default_shared_experts(k),
+                          distill_steps=a.distill_steps, e2e_steps=a.e2e_steps)
         runs[f"recipe@{k}"] = run(model, tokenize, cfg, a.tokens, held, dense_outs)
     runs["coact"] = run(model, tokenize, CalibConfig(experts=16, top_k=8), a.tokens, held, dense_outs)
     runs["random"] = run(model, tokenize, CalibConfig(experts=16, top_k=8, partition="random"), a.tokens, held,
@@ -67,8 +68,8 @@ def main():
              f"--e2e-steps {a.e2e_steps} --eval-sentences {a.eval_sentences} --recipe-k {a.recipe_k}`", "",
              f"Held-out: {n_sent} standard-library docstring sentences (packages disjoint from calibration); "
              f"calibration: {a.tokens} tokens. Cells: mean / 5th-percentile cosine of mean-pooled embeddings vs "
-             "dense. `ffn_flop_fraction` counts the shared expert; recipe rows below its shared expert count are "
-             "the shared expert alone.", "",
+             "dense. `ffn_flop_fraction` counts the shared experts; a recipe row at its shared expert count is "
+             "the shared experts alone (none below).", "",
              "| top_k | ffn_flop_fraction | " + " | ".join(names) + " |",
              "|---|---|" + "---|" * len(names)]
     for k in range(1, 17):

@@ -11,15 +11,19 @@ import torch
 
 from . import calib_data
 from .block import MoEBlock
-from .calibrate import (CalibConfig, _outputs, calibrate_model, ffn_flops, load_tokenizer, quality_curve,
-                        token_batches)
+from .calibrate import (CalibConfig, _outputs, calibrate_model, default_shared_experts, ffn_flops, load_tokenizer,
+                        quality_curve, token_batches)
 from .errors import MoECompileError
 
 log = logging.getLogger("moecompile")
 
 
 def calibration_texts(source: str) -> list[str]:
-    return calib_data.corpus("calib") if source == "stdlib" else calib_data.read_text_file(source)
+    """stdlib: single docstring sentences (as good as paragraphs and cheaper per end-to-end step, see
+    bench/results/calibrated-split.md); a FILE: its paragraphs."""
+    if source == "stdlib":
+        return calib_data.sentences(calib_data.corpus("calib"))
+    return calib_data.read_text_file(source)
 
 
 def _plot(report: dict) -> bytes | None:
@@ -75,7 +79,7 @@ def _loads(model, batches) -> dict[str, list[float]]:
 
 def run_calibration(model, directory, a, progress: bool = True) -> dict[str, bytes]:
     """Calibrate model in place from the CLI arguments; returns the report files to save with the checkpoint."""
-    shared = a.shared_experts if a.shared_experts is not None else int(a.top_k > 1)
+    shared = a.shared_experts if a.shared_experts is not None else default_shared_experts(a.top_k)
     cfg = CalibConfig(experts=a.experts, top_k=a.top_k, shared_experts=shared, shared_kind=a.shared_kind,
                       partition=a.partition, router_steps=a.router_steps, distill_steps=a.distill_steps,
                       e2e_steps=a.e2e_steps,

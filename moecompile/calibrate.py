@@ -97,6 +97,12 @@ class CalibConfig:
         return top_k - self.shared_experts
 
 
+def default_shared_experts(top_k: int) -> int:
+    """The recipe's shared experts for a top_k (measured on MiniLM, bench/results/calibrated-split.md): half of
+    the active experts always on (1 at top_k 2 or 3, none at top_k 1)."""
+    return top_k // 2
+
+
 # ------------------------------------------------------------------------------------------ the dense FFN
 
 

@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="split: calibrate on text: 'stdlib' (Python standard library docstrings) or a text FILE")
     c.add_argument("--calib-tokens", type=int, default=120000, help="calibration tokens (default 120000)")
     c.add_argument("--shared-experts", type=int, default=None,
-                   help="always-on expert-equivalents, counted in --top-k (default with --calib: 1 if --top-k > 1)")
+                   help="always-on expert-equivalents, counted in --top-k (default with --calib: --top-k // 2)")
     c.add_argument("--shared-kind", choices=("neurons", "linear"), default="neurons",
                    help="shared expert: the most active neurons, or a linear map of the same cost")
     c.add_argument("--partition", choices=("kmeans", "graph", "random", "weights"), default="kmeans",

@@ -179,6 +179,21 @@ def test_linear_shared_expert_lowers_error_at_same_cost():
     assert withlin["calib_relative_error"] < plain["calib_relative_error"]
 
 
+def test_default_shared_experts_is_half_of_top_k_and_valid():
+    assert [C.default_shared_experts(k) for k in (1, 2, 3, 4, 8, 16)] == [0, 1, 1, 2, 4, 8]
+    for k in range(1, 17):  # a valid config at every top_k
+        C.CalibConfig(experts=16, top_k=k, shared_experts=C.default_shared_experts(k))
+
+
+def test_stdlib_calibration_text_is_sentences():
+    from moecompile import calib_data
+    from moecompile.calib_report import calibration_texts
+
+    texts = calibration_texts("stdlib")
+    assert len(texts) > 1000 and all(6 <= len(t.split()) <= 40 for t in texts)  # single sentences
+    assert set(texts) <= set(calib_data.sentences(calib_data.corpus("calib")))
+
+
 @pytest.mark.parametrize("kw", [dict(shared_experts=4), dict(top_k=5), dict(partition="spectral"),
                                 dict(distill_top_k=(0,)), dict(shared_kind="mlp"), dict(e2e_steps=-1)])
 def test_calib_config_validation(kw):
@@ -219,7 +234,7 @@ def test_cli_calib_file_and_errors(tmp_path, capsys):
                  "--calib", str(text), "--calib-tokens", "50", "--distill-steps", "2", "--e2e-steps", "2",
                  "--eval-sentences", "0", "--out", str(out), "--no-progress"]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["curve"] == [] and report["config"]["shared_experts"] == 1  # the default with --calib
+    assert report["curve"] == [] and report["config"]["shared_experts"] == 1  # the default: top_k // 2
     assert main(["convert", "tiny-bert", "--random-init", "--experts", "4", "--method", "upcycle",
                  "--calib", "stdlib", "--out", str(tmp_path / "x")]) == 2
     assert main(["convert", "tiny-bert", "--random-init", "--experts", "4", "--method", "split",
