@@ -350,8 +350,7 @@ def _tma_weight_desc(w_ptr, num_experts, hidden: tl.constexpr, width: tl.constex
                                          strides=[2 * width * hidden, hidden, width * hidden, 1],
                                          block_shape=[1, BLOCK_N, 2, BLOCK_K])
     else:
-        in_width: tl.constexpr = 2 * width if GATED else width
-        desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * in_width, hidden], strides=[hidden, 1],
+        desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * width, hidden], strides=[hidden, 1],
                                          block_shape=[BLOCK_N, BLOCK_K])
     return desc
 
