@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -60,18 +61,30 @@ def build(name: str, layers: int, tiny: bool, device: str, dtype: torch.dtype, s
 
 
 def time_forward(fn, ids, warmup: int, iters: int, device: str) -> float:
-    """Seconds per forward (mean over iters, after warmup calls)."""
+    """Seconds per forward: the median of iters forwards, each timed alone, after warmup calls."""
+    times = []
     with torch.inference_mode():
         for _ in range(warmup):
             fn(ids)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
         for _ in range(iters):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
             fn(ids)
-        if device == "cuda":
-            torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def print_profile(fn, ids, label: str, rows: int = 15) -> None:
+    """The CUDA kernels of three forwards, most time first (where a variant spends its time)."""
+    with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn(ids)
+        torch.cuda.synchronize()
+    print(f"profile {label}:\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows),
+          file=sys.stderr, flush=True)
 
 
 def rel_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -114,6 +127,8 @@ def run(args) -> list[dict]:
                     raise SystemExit(f"{name} {tokens} tokens, {label}: output differs from HF eager "
                                      f"(mean rel error {err[1]:.2e} > {args.tolerance:g})")
                 seconds = time_forward(fn, ids, args.warmup, args.iters, device)
+                if args.profile and device == "cuda":
+                    print_profile(fn, ids, f"{name} {tokens} tokens, {label}")
                 row[label] = {"tok_s": tokens / seconds, "ms": seconds * 1e3, "compile_s": compile_s, "err": err}
                 if label == "moecompile":
                     records = moecompile.backend.records()
@@ -146,7 +161,7 @@ def table(rows: list[dict], args) -> str:
         "",
         f"Device {gpu}; torch {torch.__version__}, transformers {transformers.__version__}; "
         f"{'float32, TINY sizes (smoke test, not a measurement)' if args.tiny else 'bfloat16'}; "
-        f"{args.layers} layers; mean of {args.iters} forwards after {args.warmup} warm-up; inductor mode "
+        f"{args.layers} layers; median of {args.iters} forwards after {args.warmup} warm-up; inductor mode "
         f"{args.mode or 'default'}{'; moecompile without inductor' if args.no_inductor else ''}.",
         f"moecompile experts kernel on {device}: {experts_kernel.__module__}.{experts_kernel.__name__}.",
         "Output check against HF eager, max / mean relative error: "
@@ -173,12 +188,13 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="CPU, float32, tiny sizes: a smoke test of this script")
     p.add_argument("--no-hf-inductor", action="store_true", help="skip the HF + inductor peer (slow on CPU)")
     p.add_argument("--no-inductor", action="store_true", help="moecompile backend without inductor")
+    p.add_argument("--profile", action="store_true", help="print each variant's CUDA kernel breakdown (stderr)")
     p.add_argument("--out", required=True, help="markdown file for the table")
     args = p.parse_args(argv)
     args.tokens = args.tokens or ([64, 256] if args.tiny else [4096, 16384])
     args.seq_len = args.seq_len or (32 if args.tiny else 1024)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
-    args.iters = args.iters or (2 if args.tiny else 10)
+    args.iters = args.iters or (2 if args.tiny else 20)
     args.tolerance = args.tolerance or (1e-5 if args.tiny else 2e-2)
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on the GPU machine, or pass --tiny for a CPU smoke test")

@@ -87,15 +87,17 @@ def test_combine_backward_and_gather_sum_match_reference():
                                R.dispatch_backward(grad_sorted, order, tokens, top_k), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("group_m", [2, 16])  # 16: more than this problem's M tiles (the autotune list has it)
 @pytest.mark.parametrize("variant", list(triton_moe.GROUPED_GEMMS))
-def test_grouped_projection_without_activation(variant):
+def test_grouped_projection_without_activation(variant, group_m):
     """activation None: the plain second projection x W^T + b per expert group (rows past the groups untouched)."""
     gen = torch.Generator().manual_seed(6)
     offsets = _offsets([7, 0, 18, 2])
     x = torch.randn(30, 40, generator=gen)
     w, b = torch.randn(4, 24, 40, generator=gen), torch.randn(4, 24, generator=gen)
     got = triton_moe.grouped_ffn_in(x, offsets, w, b, None, False,
-                                    config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, variant=variant)
+                                    config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": group_m},
+                                    variant=variant)
     expert = torch.searchsorted(offsets, torch.arange(27, dtype=torch.int32), right=True)
     torch.testing.assert_close(got[:27], torch.einsum("rh,rfh->rf", x[:27], w[expert]) + b[expert],
                                atol=1e-4, rtol=1e-4)
