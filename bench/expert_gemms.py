@@ -22,7 +22,8 @@ from options_table import ms
 from moecompile.kernels import triton_moe
 
 SHAPES = {"gpt2-upcycled": (768, 3072, 16, 2, 16384), "mixtral": (4096, 14336, 8, 2, 4096),
-          "qwen3-moe": (2048, 768, 128, 8, 8192), "deepseek-v3": (7168, 2048, 256, 8, 4096)}
+          "qwen3-moe": (2048, 768, 128, 8, 8192), "deepseek-v3": (7168, 2048, 256, 8, 4096),
+          "olmoe": (2048, 1024, 64, 8, 8192), "qwen2-moe": (2048, 1408, 60, 4, 8192)}
 TRITON = ("triton", "triton_tma", "triton_persistent")
 CONFIGS = {"triton_tma": triton_moe._ffn_in_tma_configs, "triton_persistent": triton_moe._ffn_in_persistent_configs}
 

@@ -18,18 +18,23 @@ from . import reference, triton_fp8, triton_moe, triton_routing
 FFN_IN = os.environ.get("MOECOMPILE_FFN_IN", "auto")
 FFN_OUT = os.environ.get("MOECOMPILE_FFN_OUT", "auto")
 # (hidden, expert_size, experts, regime) -> (first, second projection): the fastest pair on an H200 in
-# bench/results/gpu-moe-layer.md (regime "decode": under 64 rows per expert). Unmeasured shapes use grouped_mm.
+# bench/results/gpu-moe-layer.md, or per projection in gpu-expert-gemms.md / gpu-expert-gemms-more.md (OLMoE,
+# Qwen2-MoE) (regime "decode": under 64 rows per expert). The persistent pair won or tied every batch shape
+# measured (six), so it is also the default for unmeasured batch shapes; unmeasured decode shapes use grouped_mm.
 MEASURED = {(768, 3072, 16, "batch"): ("triton_persistent", "triton_persistent"),
             (4096, 14336, 8, "batch"): ("triton_persistent", "triton_persistent"),
             (4096, 14336, 8, "decode"): ("triton_tma", "triton_tma"),
             (2048, 768, 128, "batch"): ("triton_persistent", "triton_persistent"),
-            (7168, 2048, 256, "batch"): ("triton_persistent", "triton_persistent")}
+            (7168, 2048, 256, "batch"): ("triton_persistent", "triton_persistent"),
+            (2048, 1024, 64, "batch"): ("triton_persistent", "triton_persistent"),
+            (2048, 1408, 60, "batch"): ("triton_persistent", "triton_persistent")}
+UNMEASURED = {"batch": ("triton_persistent", "triton_persistent"), "decode": ("grouped_mm", "grouped_mm")}
 DECODE_ROWS_PER_EXPERT = 64
 
 
 def _variants(rows: int, hidden: int, expert_size: int, num_experts: int) -> tuple[str, str]:
     regime = "decode" if rows < DECODE_ROWS_PER_EXPERT * num_experts else "batch"
-    first, second = MEASURED.get((hidden, expert_size, num_experts, regime), ("grouped_mm", "grouped_mm"))
+    first, second = MEASURED.get((hidden, expert_size, num_experts, regime), UNMEASURED[regime])
     return (first if FFN_IN == "auto" else FFN_IN), (second if FFN_OUT == "auto" else FFN_OUT)
 
 
