@@ -1,12 +1,13 @@
 """Calibrated split of the real all-MiniLM-L6-v2 into 16 experts: quality vs FFN FLOPs at every top_k.
 
-    python bench/calibrated_split.py [--tokens 120000] [--distill-steps 1200] [--e2e-steps 800] [--eval-sentences 512]
+    python bench/calibrated_split.py [--tokens 270000] [--distill-steps 1200] [--e2e-steps 1200] [--eval-sentences 512]
 
 Writes bench/results/calibrated-split.md: per top_k the FFN FLOP fraction and the mean / 5th-percentile cosine of
 mean-pooled sentence embeddings vs the dense model on held-out standard-library sentences, for
-- recipe@k: co-activation k-means split on calibration sentences, k // 2 shared experts (most active neurons),
-  least-squares router, conditional-mean compensation, layer-wise distillation at top_k = k, then end-to-end
-  distillation on the last hidden state (one checkpoint per k in --recipe-k); the default of `convert --calib`,
+- recipe@k: co-activation k-means split on calibration sentences, default_shared_experts(k) shared experts
+  (most active neurons), least-squares router, conditional-mean compensation, layer-wise distillation at
+  top_k = k, then end-to-end distillation on the last hidden state with the first third of the blocks frozen
+  (one checkpoint per k in --recipe-k); the default of `convert --calib`,
 - coact: the same split, training-free (no shared expert, no distillation),
 - random: a random split with the same least-squares router and compensation, training-free.
 """
@@ -39,9 +40,9 @@ def run(model, tokenize, cfg, tokens, held, dense_outs):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--tokens", type=int, default=120000)
+    p.add_argument("--tokens", type=int, default=270000)
     p.add_argument("--distill-steps", type=int, default=1200)
-    p.add_argument("--e2e-steps", type=int, default=800)
+    p.add_argument("--e2e-steps", type=int, default=1200)
     p.add_argument("--eval-sentences", type=int, default=512)
     p.add_argument("--recipe-k", default="4,8")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "calibrated-split.md"))

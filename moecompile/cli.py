@@ -39,9 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--calib", default=None, metavar="SOURCE",
                    help="split: calibrate on text: 'stdlib' (Python standard library docstrings) or a text FILE")
-    c.add_argument("--calib-tokens", type=int, default=120000, help="calibration tokens (default 120000)")
+    c.add_argument("--calib-tokens", type=int, default=270000,
+                   help="calibration tokens (default 270000: about all of --calib stdlib's sentences)")
     c.add_argument("--shared-experts", type=int, default=None,
-                   help="always-on expert-equivalents, counted in --top-k (default with --calib: --top-k // 2)")
+                   help="always-on expert-equivalents, counted in --top-k (default with --calib: --top-k // 2, "
+                        "at most 2 routed beyond --top-k 4)")
     c.add_argument("--shared-kind", choices=("neurons", "linear"), default="neurons",
                    help="shared expert: the most active neurons, or a linear map of the same cost")
     c.add_argument("--partition", choices=("kmeans", "graph", "random", "weights"), default="kmeans",
@@ -49,9 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--router-steps", type=int, default=0, help="router training steps after the least-squares fit")
     c.add_argument("--distill-steps", type=int, default=1200, help="layer-wise distillation steps per FFN "
                                                                     "(default 1200)")
-    c.add_argument("--e2e-steps", type=int, default=800,
+    c.add_argument("--e2e-steps", type=int, default=1200,
                    help="end-to-end distillation steps on the last hidden state after the layer-wise stage "
-                        "(default 800)")
+                        "(default 1200)")
     c.add_argument("--eval-sentences", type=int, default=256, help="held-out sentences for the report (0: none)")
     c.add_argument("--max-shard-size", default="5GB", help="shard model.safetensors above this size (default 5GB)")
     c.add_argument("--fp8", action="store_true",

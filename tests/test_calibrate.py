@@ -128,9 +128,11 @@ def test_least_squares_router_recovers_planted_relation():
     assert (pred - target).abs().max() < 1e-2 * target.abs().max()
 
 
-def test_distillation_reduces_ffn_error_and_is_deterministic():
+@pytest.mark.parametrize("bf16", [False, True])
+def test_distillation_reduces_ffn_error_and_is_deterministic(bf16, monkeypatch):
+    monkeypatch.setattr(C, "FIT_TOKENS", 300)  # least-squares fits and error stats on every 2nd token
     ffn, x = ffn_and_inputs(n=800)
-    cfg = C.CalibConfig(experts=4, top_k=1, distill_steps=60, batch_tokens=256, lr=3e-3)
+    cfg = C.CalibConfig(experts=4, top_k=1, distill_steps=60, batch_tokens=256, lr=3e-3, bf16=bf16)
     b1, s1 = C.calibrated_block(ffn, x, cfg, seed=0, progress=False)
     b2, s2 = C.calibrated_block(ffn, x, cfg, seed=0, progress=False)
     assert s1["calib_relative_error"] < 0.9 * s1["calib_relative_error_before_distill"]
@@ -139,8 +141,8 @@ def test_distillation_reduces_ffn_error_and_is_deterministic():
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("name", ["tiny-bert", "tiny-gpt2"])
-def test_end_to_end_distillation_lowers_embedding_loss_and_is_deterministic(name):
+@pytest.mark.parametrize("name,bf16", [("tiny-bert", False), ("tiny-gpt2", False), ("tiny-bert", True)])
+def test_end_to_end_distillation_lowers_embedding_loss_and_is_deterministic(name, bf16):
     dense = tiny(name)
     texts = [f"sentence number {i} says {'abc ' * (i % 5)} and more" for i in range(48)]
     batches = C.token_batches(C.ByteTokenizer(dense.config.vocab_size), texts, 2000, batch=8)
@@ -157,7 +159,7 @@ def test_end_to_end_distillation_lowers_embedding_loss_and_is_deterministic(name
     runs = []
     for _ in range(2):
         model = copy.deepcopy(split)
-        C.distill_end_to_end(model, batches, targets, steps=40, lr=3e-3, seed=0, progress=False)
+        C.distill_end_to_end(model, batches, targets, steps=40, lr=3e-3, seed=0, progress=False, bf16=bf16)
         runs.append(model)
     assert loss(runs[0]) < 0.7 * loss(split)
     for p, q in zip(runs[0].state_dict().values(), runs[1].state_dict().values()):
@@ -165,6 +167,25 @@ def test_end_to_end_distillation_lowers_embedding_loss_and_is_deterministic(name
     blocks = [m for m in runs[0].modules() if isinstance(m, MoEBlock)]
     assert blocks and all("forward" not in vars(b) for b in blocks)  # the block's own forward is back
     assert all(p.requires_grad for p in runs[0].parameters())
+
+
+def test_end_to_end_distillation_leaves_the_frozen_first_blocks_alone():
+    dense = tiny("tiny-bert")
+    texts = [f"sentence number {i} says {'abc ' * (i % 5)} and more" for i in range(24)]
+    batches = C.token_batches(C.ByteTokenizer(dense.config.vocab_size), texts, 1000, batch=8)
+    with torch.no_grad():
+        targets = [C._last_hidden(dense, b) for b in batches]
+    split = copy.deepcopy(dense)
+    C.calibrate_model(split, batches, C.CalibConfig(experts=4, top_k=2, shared_experts=1), progress=False)
+    model = copy.deepcopy(split)
+    # (10 steps: where OneCycleLR used to divide by zero)
+    C.distill_end_to_end(model, batches, targets, steps=10, lr=3e-3, seed=0, progress=False, frozen_fraction=0.5)
+    before, after = ([m for m in x.modules() if isinstance(m, MoEBlock)] for x in (split, model))
+    assert len(after) == 2
+    assert all(torch.equal(p, q) for p, q in zip(before[0].parameters(), after[0].parameters()))  # frozen
+    assert not all(torch.equal(p, q) for p, q in zip(before[1].parameters(), after[1].parameters()))  # trained
+    with pytest.raises(MoECompileError, match="e2e_frozen_fraction"):
+        C.CalibConfig(experts=4, top_k=2, e2e_frozen_fraction=1.0)
 
 
 def test_linear_shared_expert_lowers_error_at_same_cost():
@@ -179,8 +200,8 @@ def test_linear_shared_expert_lowers_error_at_same_cost():
     assert withlin["calib_relative_error"] < plain["calib_relative_error"]
 
 
-def test_default_shared_experts_is_half_of_top_k_and_valid():
-    assert [C.default_shared_experts(k) for k in (1, 2, 3, 4, 8, 16)] == [0, 1, 1, 2, 4, 8]
+def test_default_shared_experts_is_half_of_top_k_at_most_two_routed_and_valid():
+    assert [C.default_shared_experts(k) for k in (1, 2, 3, 4, 5, 8, 16)] == [0, 1, 1, 2, 3, 6, 14]
     for k in range(1, 17):  # a valid config at every top_k
         C.CalibConfig(experts=16, top_k=k, shared_experts=C.default_shared_experts(k))
 
@@ -234,7 +255,7 @@ def test_cli_calib_file_and_errors(tmp_path, capsys):
                  "--calib", str(text), "--calib-tokens", "50", "--distill-steps", "2", "--e2e-steps", "2",
                  "--eval-sentences", "0", "--out", str(out), "--no-progress"]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["curve"] == [] and report["config"]["shared_experts"] == 1  # the default: top_k // 2
+    assert report["curve"] == [] and report["config"]["shared_experts"] == 1  # the default at top_k 2
     assert main(["convert", "tiny-bert", "--random-init", "--experts", "4", "--method", "upcycle",
                  "--calib", "stdlib", "--out", str(tmp_path / "x")]) == 2
     assert main(["convert", "tiny-bert", "--random-init", "--experts", "4", "--method", "split",
