@@ -141,15 +141,21 @@ def test_distillation_reduces_ffn_error_and_is_deterministic(bf16, monkeypatch):
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("name,bf16", [("tiny-bert", False), ("tiny-gpt2", False), ("tiny-bert", True)])
-def test_end_to_end_distillation_lowers_embedding_loss_and_is_deterministic(name, bf16):
+def _split_with_targets(name: str, sentences: int, tokens: int):
+    """(calibration batches, the dense model's last hidden states on them, the layer-wise calibrated split)."""
     dense = tiny(name)
-    texts = [f"sentence number {i} says {'abc ' * (i % 5)} and more" for i in range(48)]
-    batches = C.token_batches(C.ByteTokenizer(dense.config.vocab_size), texts, 2000, batch=8)
+    texts = [f"sentence number {i} says {'abc ' * (i % 5)} and more" for i in range(sentences)]
+    batches = C.token_batches(C.ByteTokenizer(dense.config.vocab_size), texts, tokens, batch=8)
     with torch.no_grad():
         targets = [C._last_hidden(dense, b) for b in batches]
     split = copy.deepcopy(dense)
     C.calibrate_model(split, batches, C.CalibConfig(experts=4, top_k=2, shared_experts=1), progress=False)
+    return batches, targets, split
+
+
+@pytest.mark.parametrize("name,bf16", [("tiny-bert", False), ("tiny-gpt2", False), ("tiny-bert", True)])
+def test_end_to_end_distillation_lowers_embedding_loss_and_is_deterministic(name, bf16):
+    batches, targets, split = _split_with_targets(name, 48, 2000)
 
     def loss(model):
         with torch.no_grad():
@@ -170,13 +176,7 @@ def test_end_to_end_distillation_lowers_embedding_loss_and_is_deterministic(name
 
 
 def test_end_to_end_distillation_leaves_the_frozen_first_blocks_alone():
-    dense = tiny("tiny-bert")
-    texts = [f"sentence number {i} says {'abc ' * (i % 5)} and more" for i in range(24)]
-    batches = C.token_batches(C.ByteTokenizer(dense.config.vocab_size), texts, 1000, batch=8)
-    with torch.no_grad():
-        targets = [C._last_hidden(dense, b) for b in batches]
-    split = copy.deepcopy(dense)
-    C.calibrate_model(split, batches, C.CalibConfig(experts=4, top_k=2, shared_experts=1), progress=False)
+    batches, targets, split = _split_with_targets("tiny-bert", 24, 1000)
     model = copy.deepcopy(split)
     # (10 steps: where OneCycleLR used to divide by zero)
     C.distill_end_to_end(model, batches, targets, steps=10, lr=3e-3, seed=0, progress=False, frozen_fraction=0.5)
