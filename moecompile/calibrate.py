@@ -98,6 +98,10 @@ class CalibConfig:
         if not 0 <= self.e2e_frozen_fraction < 1:
             raise MoECompileError(f"e2e_frozen_fraction must be in [0, 1), got {self.e2e_frozen_fraction}")
 
+    def use_bf16(self, device: torch.device) -> bool:
+        """Whether the distillation stages run under bfloat16 autocast on device (`bf16`, or where it is native)."""
+        return native_bf16(device) if self.bf16 is None else self.bf16
+
     @property
     def routed_experts(self) -> int:  # a linear shared expert takes no neurons away from the routed ones
         return self.experts - (self.shared_experts if self.shared_kind == "neurons" else 0)
@@ -528,6 +532,7 @@ def distill_end_to_end(model: nn.Module, batches: list[dict], targets: list[torc
         p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
+
     def forward(b, x, top_k=None, capacity_factor=None):
         # the dense masked computation: same function, several times faster to train on CPU; bfloat16 autocast on
         # the blocks only (measured: 23% faster steps; autocast over the whole model was no faster than float32)
@@ -581,7 +586,7 @@ def calibrated_block(ffn: DenseFFN, x: torch.Tensor, cfg: CalibConfig, seed: int
     groups = [rest[g] for g in partition_neurons(features[rest], cfg.routed_experts, cfg.partition, seed)]
     block = split_block(ffn, groups, shared, max(routed_k, 1), cfg.capacity_factor, cfg.compensation)
     # the least-squares fits and the error stats need far fewer tokens than distillation (a 385-wide regression
-    # per expert): an evenly spaced subset saves most of their time at 120k calibration tokens
+    # per expert): an evenly spaced subset saves most of their time at 270k calibration tokens
     step = max(1, x.shape[0] // FIT_TOKENS)
     xs, ys = x[::step], y[::step]
     fit_router_and_compensation(block, xs, max(routed_k, 1), cfg.ridge)
@@ -592,7 +597,7 @@ def calibrated_block(ffn: DenseFFN, x: torch.Tensor, cfg: CalibConfig, seed: int
     ks = tuple(cfg.routed_k(k) for k in (cfg.distill_top_k or (cfg.top_k,)))
     before = relative_error(block, xs, ys, max(routed_k, 1))
     distill(block, x, y, cfg.distill_steps, ks, cfg.lr, cfg.batch_tokens, seed, progress, f"distill {desc}",
-            native_bf16(x.device) if cfg.bf16 is None else cfg.bf16)
+            cfg.use_bf16(x.device))
     block.config.top_k = routed_k if routed_k > 0 else 1
     stats = {"groups": [g.tolist() for g in groups], "shared": shared.tolist() if shared is not None else [],
              "calib_relative_error_before_distill": before,
@@ -622,9 +627,8 @@ def calibrate_model(model: nn.Module, batches: list[dict], cfg: CalibConfig, lay
         layout.record(model, ffn.owner, block.config, ffn.identity)
         rows.append({"path": ffn.owner, **stats})
     if cfg.e2e_steps:
-        device = next(model.parameters()).device
         distill_end_to_end(model, batches, targets, cfg.e2e_steps, cfg.e2e_lr, cfg.seed, progress,
-                           native_bf16(device) if cfg.bf16 is None else cfg.bf16, cfg.e2e_frozen_fraction)
+                           cfg.use_bf16(next(model.parameters()).device), cfg.e2e_frozen_fraction)
         model.eval()
     return rows
 
