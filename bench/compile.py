@@ -5,7 +5,9 @@ Two 4-layer decoder stacks at real per-layer sizes (the model body, no LM head):
   qwen3-moe-like  hidden 2048, experts 128 x 768, top-8 (renormalised), 32 heads / 4 KV heads, head_dim 128
 Tokens are batch x seq_len (seq_len 1024 by default, so that attention stays a small part of a layer). Every
 compiled variant is static-shaped (dynamic=False) and compiled once per token count; each output is checked
-against HF eager before timing. The table goes to stdout and to --out.
+against HF eager before timing. The variants are then timed in interleaved rounds (clock and thermal drift during
+a run reach all of them alike; one after the other, 4096-token ratios moved by +-15% between runs). The table
+goes to stdout and to --out.
 
 GPU run (bf16):   python bench/compile.py --models qwen3-moe-like --out bench/results/compile-h200-qwen3.md
 CPU smoke test:   python bench/compile.py --tiny --no-hf-inductor --out /tmp/compile-tiny.md
@@ -60,21 +62,24 @@ def build(name: str, layers: int, tiny: bool, device: str, dtype: torch.dtype, s
     return model
 
 
-def time_forward(fn, ids, warmup: int, iters: int, device: str) -> float:
-    """Seconds per forward: the median of iters forwards, each timed alone, after warmup calls."""
-    times = []
+def time_interleaved(fns: dict, ids, rounds: int, iters: int, device: str) -> dict[str, list[float]]:
+    """Seconds per forward of each variant, timed in rounds that visit the variants in turn (A B C, B C A, ...),
+    iters forwards each, so that clock or thermal drift during the run reaches every variant alike."""
+    labels, times = list(fns), {label: [] for label in fns}
     with torch.inference_mode():
-        for _ in range(warmup):
-            fn(ids)
-        for _ in range(iters):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn(ids)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for r in range(rounds):
+            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+                fn = fns[label]
+                fn(ids)  # a warm-up forward after switching variants
+                for _ in range(iters):
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    fn(ids)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    times[label].append(time.perf_counter() - start)
+    return times
 
 
 def print_profile(fn, ids, label: str, rows: int = 15) -> None:
@@ -85,6 +90,14 @@ def print_profile(fn, ids, label: str, rows: int = 15) -> None:
         torch.cuda.synchronize()
     print(f"profile {label}:\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows),
           file=sys.stderr, flush=True)
+
+
+def print_tile_choices() -> None:
+    """The tiles the autotuned expert GEMMs picked per shape (a different pick is a reason two runs differ)."""
+    from moecompile.kernels import triton_moe
+    for name, (_, tuned, _, _) in triton_moe.GROUPED_GEMMS.items():
+        for key, config in getattr(tuned, "cache", {}).items():
+            print(f"autotuned {name} {key}: {config}", file=sys.stderr)
 
 
 def rel_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -114,28 +127,41 @@ def run(args) -> list[dict]:
             variants.append(("moecompile", lambda: forward(moecompile.compile(
                 model, dynamic=False, inductor=not args.no_inductor, **({"mode": args.mode} if args.mode else {})))))
             row = {"model": name, "tokens": tokens, "shape": f"{tokens // seq}x{seq}"}
-            for label, make in variants:
-                torch._dynamo.reset()
-                moecompile.backend.clear_records()
+            torch._dynamo.reset()
+            moecompile.backend.clear_records()
+            fns = {}
+            for label, make in variants:  # compile and check every variant, then time them interleaved
                 fn = make()
                 start = time.perf_counter()
                 with torch.inference_mode():
                     out = fn(ids)  # compiles
+                    for _ in range(args.warmup):
+                        fn(ids)
                 compile_s = time.perf_counter() - start
                 err = rel_error(out, reference)
                 if err[1] > args.tolerance:
                     raise SystemExit(f"{name} {tokens} tokens, {label}: output differs from HF eager "
                                      f"(mean rel error {err[1]:.2e} > {args.tolerance:g})")
-                seconds = time_forward(fn, ids, args.warmup, args.iters, device)
-                if args.profile and device == "cuda":
-                    print_profile(fn, ids, f"{name} {tokens} tokens, {label}")
-                row[label] = {"tok_s": tokens / seconds, "ms": seconds * 1e3, "compile_s": compile_s, "err": err}
+                fns[label] = fn
+                row[label] = {"compile_s": compile_s, "err": err}
                 if label == "moecompile":
-                    records = moecompile.backend.records()
-                    row["moe_blocks"] = sum(r.moe_blocks for r in records)
+                    row["moe_blocks"] = sum(r.moe_blocks for r in moecompile.backend.records())
+                    if device == "cuda":
+                        print_tile_choices()
+            compiled = dict(torch._dynamo.utils.counters["stats"])
+            times = time_interleaved(fns, ids, args.rounds, args.iters, device)
+            if dict(torch._dynamo.utils.counters["stats"]) != compiled:  # switching variants must not recompile
+                raise SystemExit(f"{name} {tokens} tokens: a variant recompiled while timing")
+            for label, ts in times.items():
+                seconds = statistics.median(ts)
+                q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [seconds] * 3
+                row[label].update(tok_s=tokens / seconds, ms=seconds * 1e3, iqr=(q[2] - q[0]) / seconds)
                 print(f"{name:15s} {tokens:6d} tokens  {label:14s} {seconds * 1e3:9.2f} ms  "
-                      f"{tokens / seconds:12.0f} tok/s  compile {compile_s:6.1f} s  max/mean rel err "
-                      f"{err[0]:.1e}/{err[1]:.1e}", file=sys.stderr)
+                      f"{tokens / seconds:12.0f} tok/s  IQR {100 * row[label]['iqr']:4.1f}%  compile "
+                      f"{row[label]['compile_s']:6.1f} s  max/mean rel err {row[label]['err'][0]:.1e}/"
+                      f"{row[label]['err'][1]:.1e}", file=sys.stderr)
+                if args.profile and device == "cuda":
+                    print_profile(fns[label], ids, f"{name} {tokens} tokens, {label}")
             rows.append(row)
             torch._dynamo.reset()
         del model
@@ -161,7 +187,11 @@ def table(rows: list[dict], args) -> str:
         "",
         f"Device {gpu}; torch {torch.__version__}, transformers {transformers.__version__}; "
         f"{'float32, TINY sizes (smoke test, not a measurement)' if args.tiny else 'bfloat16'}; "
-        f"{args.layers} layers; median of {args.iters} forwards after {args.warmup} warm-up; inductor mode "
+        f"{args.layers} layers; median of {args.rounds} x {args.iters} forwards per variant, timed in interleaved "
+        f"rounds (A B C, B C A, ...) after {args.warmup} warm-up; interquartile range / median: "
+        + ", ".join(f"{r['model']} {r['tokens']} " + " / ".join(f"{100 * r[p]['iqr']:.1f}%" for p in peers
+                                                                 + ["moecompile"]) for r in rows)
+        + f" ({' / '.join(peers + ['moecompile'])}); inductor mode "
         f"{args.mode or 'default'}{'; moecompile without inductor' if args.no_inductor else ''}.",
         f"moecompile experts kernel on {device}: {experts_kernel.__module__}.{experts_kernel.__name__}.",
         "Output check against HF eager, max / mean relative error: "
@@ -182,7 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default=None, help="inductor mode for both compiled variants, e.g. "
                                                 "max-autotune-no-cudagraphs")
     p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None, help="timed forwards per variant and round")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 6, tiny 1)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest mean relative error vs HF eager (default 2e-2 in bf16, 1e-5 tiny float32)")
     p.add_argument("--tiny", action="store_true", help="CPU, float32, tiny sizes: a smoke test of this script")
@@ -194,7 +225,8 @@ def main(argv=None) -> int:
     args.tokens = args.tokens or ([64, 256] if args.tiny else [4096, 16384])
     args.seq_len = args.seq_len or (32 if args.tiny else 1024)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
-    args.iters = args.iters or (2 if args.tiny else 20)
+    args.iters = args.iters or (2 if args.tiny else 5)
+    args.rounds = args.rounds or (1 if args.tiny else 6)
     args.tolerance = args.tolerance or (1e-5 if args.tiny else 2e-2)
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on the GPU machine, or pass --tiny for a CPU smoke test")
