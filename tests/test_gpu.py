@@ -176,3 +176,26 @@ def test_cuda_routing_matches_reference(tokens, experts, top_k, capacity_factor)
     x = torch.randn(tokens, 64, generator=gen, device=DEVICE, dtype=torch.bfloat16)
     for name, got, want in zip(("rows", "order", "offsets"), C.dispatch(x, ids, experts), R.dispatch(x, ids, experts)):
         assert torch.equal(got, want), name
+
+
+def test_compiled_hf_moe_runs_its_moe_ops_inside_cuda_graphs():
+    """moecompile.compile(model, mode="reduce-overhead") (bench/results/compile-h200-*-cudagraphs.md): inductor
+    records the graph with the moecompile ops in it (no cudagraph skip) and its replays give eager's output on
+    new inputs."""
+    import moecompile
+    from hf_moe import token_ids, tiny_moe
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = tiny_moe("tiny-qwen3-moe").to(DEVICE, torch.bfloat16)
+    compiled = moecompile.compile(model, mode="reduce-overhead", dynamic=False)
+    with torch.no_grad():
+        for seed in range(4):  # warm-up, record, replay, replay
+            ids = token_ids(seed).to(DEVICE)
+            torch.compiler.cudagraph_mark_step_begin()
+            got = compiled(input_ids=ids).logits.clone()
+            assert _rel(got, model(input_ids=ids).logits) <= 2e-2, seed
+    inductor = torch._dynamo.utils.counters["inductor"]
+    assert inductor["cudagraph_skips"] == 0 and inductor["cudagraph_recorded_non_static_inputs"] >= 1
+    assert moecompile.backend.records()[-1].moe_blocks == 2
+    torch._dynamo.reset()
