@@ -10,6 +10,8 @@ a run reach all of them alike; one after the other, 4096-token ratios moved by +
 goes to stdout and to --out.
 
 GPU run (bf16):   python bench/compile.py --models qwen3-moe-like --out bench/results/compile-h200-qwen3.md
+CUDA graphs:      python bench/compile.py --models qwen3-moe-like --mode reduce-overhead \
+                      --out bench/results/compile-h200-qwen3-cudagraphs.md
 CPU smoke test:   python bench/compile.py --tiny --no-hf-inductor --out /tmp/compile-tiny.md
 """
 from __future__ import annotations
@@ -219,7 +221,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--device", default="cuda")
     p.add_argument("--mode", default=None, help="inductor mode for both compiled variants, e.g. "
-                                                "max-autotune-no-cudagraphs")
+                                                "reduce-overhead (CUDA graphs)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None, help="timed forwards per variant and round")
     p.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 6, tiny 1)")
