@@ -6,9 +6,11 @@ Rows of `experts`' output at or past offsets[-1] (dropped assignments) are left 
 reads them. Shapes grouped_mm cannot take (non-bf16, unaligned, pre-Hopper, empty) go to the reference kernels.
 """
 import os
+import weakref
 
 import torch
 
+from . import fp8 as fp8_math
 from . import reference, triton_fp8, triton_moe, triton_routing
 
 # Expert GEMM kernels per projection: "triton_tma" / "triton" = a Triton grouped GEMM with bias (+ activation, first
@@ -155,6 +157,34 @@ def quantize_fp8(x, group: int):
     return triton_fp8.quantize_rows(x, group)
 
 
+# FP8 expert GEMMs: "rowwise" = per-row activation and per-channel weight scales applied after the K loop (the
+# weights converted from their 128x128 blocks once, _rowwise_weights), "block" = the block scales promoted every K
+# step. On an H200 rowwise ran the expert FFN 1.29x (Mixtral) / 1.25x (DeepSeek-V3) faster than block at 4096 tokens
+# (bench/results/gpu-fp8-gemm.md), for a second rounding of weights and activations (error vs bf16 9.1e-2 instead of
+# 6.3e-2 on random layers), and slower at decode (64 tokens: 0.51 vs 0.43 ms, bench/results/gpu-fp8.md). "auto":
+# rowwise for batches where TMA runs (sm_90+), block otherwise.
+FP8_GEMM = os.environ.get("MOECOMPILE_FP8_GEMM", "auto")
+_ROWWISE_WEIGHTS: dict[int, tuple] = {}
+
+
+def _rowwise_weights(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel copy of block-scaled weights, made on first use and kept while w lives unchanged (one more
+    FP8 copy of the expert weights in GPU memory). Not cached while a CUDA graph is being captured: captured
+    kernels do not run, so the copy would hold nothing until a replay."""
+    try:
+        stamp = (w.data_ptr(), w._version, scale_inv.data_ptr(), scale_inv._version)
+    except RuntimeError:  # inference tensors keep no version counter (and cannot change outside inference mode)
+        stamp = (w.data_ptr(), None, scale_inv.data_ptr(), None)
+    hit = _ROWWISE_WEIGHTS.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1] == stamp:
+        return hit[2]
+    converted = fp8_math.rowwise_from_blocks(w, scale_inv)
+    if not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+        key = id(w)
+        _ROWWISE_WEIGHTS[key] = (weakref.ref(w, lambda _, key=key: _ROWWISE_WEIGHTS.pop(key, None)), stamp, converted)
+    return converted
+
+
 def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
                 activation: str, gated: bool, out_dtype: torch.dtype):
     args = (x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out, activation,
@@ -162,4 +192,11 @@ def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, 
     if not (_fp8_gemm_supported(x_fp8) and triton_fp8.supported(x_fp8.shape[1], w_out.shape[2])
             and activation in triton_moe.ACTIVATION_IDS):
         return reference.experts_fp8(*args)
-    return triton_fp8.experts_fp8(*args)
+    batch = x_fp8.shape[0] >= DECODE_ROWS_PER_EXPERT * w_in.shape[0]
+    rowwise = FP8_GEMM == "rowwise" or (FP8_GEMM == "auto" and batch and triton_moe.tma_supported(x_fp8, w_in))
+    if not rowwise:
+        return triton_fp8.experts_fp8(*args)
+    x_rows, x_row_scale = triton_fp8.requantize_rows(x_fp8, x_scale_inv)
+    return triton_fp8.experts_fp8_rowwise(x_rows, x_row_scale, offsets, *_rowwise_weights(w_in, w_in_scale_inv), b_in,
+                                          *_rowwise_weights(w_out, w_out_scale_inv), b_out, activation, gated,
+                                          out_dtype)

@@ -76,3 +76,15 @@ def dequantize_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: int =
 def fake_quantize_groups(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
     """quantize then dequantize (float32): what an FP8 GEMM sees of a higher-precision activation."""
     return dequantize_groups(*quantize_groups(x, group), group)
+
+
+def rowwise_from_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled weights [E, R, C] -> (fp8 [E, R, C], scale_inv [E, R] float32), one scale per row (output
+    channel): the form a GEMM that applies its scales after the K loop takes. The values are rounded a second time."""
+    q = torch.empty_like(w_fp8)
+    s = torch.empty(w_fp8.shape[:-1], dtype=torch.float32, device=w_fp8.device)
+    for e in range(w_fp8.shape[0]):  # one expert at a time: the float32 copy of all of them can be gigabytes
+        q[e], row_scale = quantize_groups(dequantize_blocks(w_fp8[e], scale_inv[e]), w_fp8.shape[-1])
+        s[e] = row_scale[:, 0]
+    return q, s
+

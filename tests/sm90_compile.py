@@ -58,6 +58,16 @@ def cases():
     yield (triton_fp8._grouped_fp8_kernel, "second projection", {**fp8, "out_ptr": BF16},
            dict(K=14336, width=4096, HAS_BIAS=False, GATED=False, ACT=-1, QUANT_OUT=False, CAST_FP32=False,
                 E_PAD=8, BLOCK_M=64, GROUP_M=8), dict(num_warps=4, num_stages=4))
+    yield (triton_fp8._requantize_rows_kernel, "per row", {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                                                         "out_ptr": "*fp8e4nv", "out_s_ptr": "*fp32"},
+           dict(width=14336, BLOCK_M=16, G_PAD=128, EMULATE=False), {})
+    rowwise = dict(E_PAD=8, BLOCK_M=128, GROUP_M=8, NUM_SMS=132, CAST_FP32=False)
+    yield (triton_fp8._grouped_fp8_rowwise_kernel, "first projection", fp8,
+           dict(rowwise, K=4096, width=14336, HAS_BIAS=True, GATED=True, ACT=3, QUANT_OUT=True),
+           dict(num_warps=8, num_stages=4))
+    yield (triton_fp8._grouped_fp8_rowwise_kernel, "second projection", {**fp8, "out_ptr": BF16},
+           dict(rowwise, K=14336, width=4096, HAS_BIAS=False, GATED=False, ACT=-1, QUANT_OUT=False),
+           dict(num_warps=8, num_stages=4))
     for scoring, bias in ((0, False), (1, True)):
         yield (triton_routing._topk_kernel, f"scoring {scoring}",
                {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",

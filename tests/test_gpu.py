@@ -137,8 +137,10 @@ def test_block_training_step_on_gpu_matches_reference_kernels(monkeypatch):
         assert _rel(grads[n], p.grad) <= 3e-2, n
 
 
+@pytest.mark.parametrize("gemm", ["block", "rowwise"])
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
-def test_fp8_kernels_match_reference(gated, bias):
+def test_fp8_kernels_match_reference(gated, bias, gemm, monkeypatch):
+    monkeypatch.setattr(C, "FP8_GEMM", gemm)
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     tokens, e, k, h, i = 700, 4, 2, 256, 384
     w_in, b_in, w_out, b_out = _weights(e, h, i, gated, bias, gen)
@@ -157,11 +159,13 @@ def test_fp8_kernels_match_reference(gated, bias):
     got = C.experts_fp8(*args)
     want = R.experts_fp8(*args)
     kept = int(offsets[-1])
-    print("fp8 kernel vs reference", _rel(got[:kept], want[:kept]))
-    assert _rel(got[:kept], want[:kept]) <= 2e-2
+    print("fp8 kernel vs reference", gemm, _rel(got[:kept], want[:kept]))
+    # the block kernel computes the reference's math; rowwise rounds weights and activations once more (its exact
+    # math is checked against a float32 reference in tests/test_triton_fp8.py)
+    assert _rel(got[:kept], want[:kept]) <= (2e-2 if gemm == "block" else 8e-2)
     exact = R.experts(rows.float(), offsets, w_in, b_in, w_out, b_out, "silu" if gated else "gelu", gated)
     # e4m3's own error on these random weights: the float32 reference of experts_fp8 is 6.4e-2 (gated) off too
-    assert _rel(got[:kept], exact[:kept]) <= 8e-2
+    assert _rel(got[:kept], exact[:kept]) <= (8e-2 if gemm == "block" else 1e-1)
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(4096, 8, 2), (2048, 128, 8), (1024, 256, 8), (333, 6, 6)])
