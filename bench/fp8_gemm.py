@@ -136,8 +136,8 @@ def run(name, d, f, e, k, tokens, lines):
             aq, as_ = rowwise_quant(torch.nn.functional.silu(h[:, :f]) * h[:, f:])
             t1, t2 = ms(lambda: gemm1(xq, xs)), ms(lambda: gemm2(aq, as_))
             t = ms(chain)
-            lines.append(f"| {name} | rowwise CUTLASS scaled_grouped_mm fast_accum={fast}: bare GEMMs | {t1 + t2:.3f} | "
-                         f"{tf(t1 + t2):.0f} | {t_bf16 / (t1 + t2):.2f} | {err:.1e} |")
+            lines.append(f"| {name} | rowwise CUTLASS scaled_grouped_mm fast_accum={fast}: bare GEMMs | "
+                         f"{t1 + t2:.3f} | {tf(t1 + t2):.0f} | {t_bf16 / (t1 + t2):.2f} | {err:.1e} |")
             lines.append(f"| {name} | rowwise, with torch quant/act (unfused) | {t:.3f} | {tf(t):.0f} | "
                          f"{t_bf16 / t:.2f} | |")
         except Exception as ex:
