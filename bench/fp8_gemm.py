@@ -8,8 +8,8 @@ Same rows, same weights, median ms of the expert FFN (both projections + activat
                  every K step of 128: "promotion"), pointer loads, autotuned, then each tile config;
 - rowwise triton: the persistent Triton kernel (TMA loads, one program per SM) on per-row activation and
                  per-output-channel weight scales applied after the K loop (the weights converted from the 128x128
-                 blocks, the activations requantised per row); autotuned, then each tile config with the two
-                 projections timed apart (first + second);
+                 blocks, the activations requantised per row): the runtime's path (kernels/cuda.py, autotuned),
+                 then each autotuner config with the two projections timed apart (first + second);
 - rowwise CUTLASS: torch._scaled_grouped_mm (CUTLASS, sm90) with per-output-channel weight scales and per-token
                  activation scales, the weights requantised from the 128x128 blocks; bare = the two GEMMs alone.
 err: relative Frobenius error of the output against the bf16 kernel's.
@@ -71,19 +71,21 @@ def run(name, d, f, e, k, tokens, lines):
             lines.append(f"| {name} | block triton BM{bm} w{w} s{s} | failed: {str(ex).splitlines()[0][:60]} | | | |")
         print(lines[-1], flush=True)
 
-    # rowwise: what kernels/cuda.py runs on Hopper (its weight conversion happens once, outside the timing)
-    wi_r, wi_rs = fp8_math.rowwise_from_blocks(wi_q, wi_s)
-    wo_r, wo_rs = fp8_math.rowwise_from_blocks(wo_q, wo_s)
-
-    def rowwise(config=None):
-        xq, xs = triton_fp8.requantize_rows(*triton_fp8.quantize_rows(rows))
-        return triton_fp8.experts_fp8_rowwise(xq, xs, offsets, wi_r, wi_rs, None, wo_r, wo_rs, None, "silu", True,
-                                              torch.bfloat16, config)
+    # rowwise: what kernels/cuda.py runs for batches on Hopper (quantize_fp8 + experts_fp8; the weights' conversion
+    # happens on the first call and is cached)
+    def rowwise():
+        return cuda.experts_fp8(*cuda.quantize_fp8(rows, 128), offsets, wi_q, wi_s, None, wo_q, wo_s, None, "silu",
+                                True, torch.bfloat16)
 
     err = rel(rowwise(), y_bf16)
     t = ms(rowwise)
     lines.append(f"| {name} | rowwise triton (autotuned) | {t:.3f} | {tf(t):.0f} | {t_bf16 / t:.2f} | {err:.1e} |")
-    print(lines[-1], flush=True)
+    chosen = "; ".join(f"{'first' if key[4] else 'second'} projection: {cfg}"
+                       for key, cfg in triton_fp8._grouped_fp8_rowwise_tuned.cache.items() if key[3] == e)
+    lines.append(f"| {name} | autotuner's choice: {chosen} | | | | |")
+    print(lines[-2:], flush=True)
+    wi_r, wi_rs = cuda._rowwise_weights(wi_q, wi_s)
+    wo_r, wo_rs = cuda._rowwise_weights(wo_q, wo_s)
     xq, xs = triton_fp8.requantize_rows(*triton_fp8.quantize_rows(rows))
     a = torch.empty(n, f, dtype=torch.float8_e4m3fn, device=rows.device)
     a_s = torch.empty(n, f // 128, dtype=torch.float32, device=rows.device)
@@ -94,16 +96,16 @@ def run(name, d, f, e, k, tokens, lines):
     second = (ar, ars, wo_r, wo_rs, None, offsets, y, None, None, False, False)
     t_requant = ms(lambda: triton_fp8.requantize_rows(a, a_s))
     lines.append(f"| {name} | rowwise: requantising the activations per row | {t_requant:.3f} | | | |")
-    for bm, w, s in TRITON_CONFIGS:
-        cfg = {"BLOCK_M": bm, "GROUP_M": 8, "num_warps": w, "num_stages": s}
+    for c in triton_fp8._fp8_rowwise_configs():
+        cfg = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+        label = f"BM{c.kwargs['BLOCK_M']} G{c.kwargs['GROUP_M']} w{c.num_warps} s{c.num_stages}"
         try:
             t1 = ms(lambda: triton_fp8._launch(*first, cfg, "rowwise"))
             t2 = ms(lambda: triton_fp8._launch(*second, cfg, "rowwise"))
-            lines.append(f"| {name} | rowwise triton BM{bm} w{w} s{s} | {t1:.3f} + {t2:.3f} | {tf(t1 + t2):.0f} | "
+            lines.append(f"| {name} | rowwise triton {label} | {t1:.3f} + {t2:.3f} | {tf(t1 + t2):.0f} | "
                          f"{t_bf16 / (t1 + t2):.2f} | |")
         except Exception as ex:  # e.g. out of shared memory
-            lines.append(f"| {name} | rowwise triton BM{bm} w{w} s{s} | failed: {str(ex).splitlines()[0][:60]} | "
-                         "| | |")
+            lines.append(f"| {name} | rowwise triton {label} | failed: {str(ex).splitlines()[0][:60]} | | | |")
         print(lines[-1], flush=True)
 
     if not hasattr(torch, "_scaled_grouped_mm"):

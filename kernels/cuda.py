@@ -159,10 +159,10 @@ def quantize_fp8(x, group: int):
 
 # FP8 expert GEMMs: "rowwise" = per-row activation and per-channel weight scales applied after the K loop (the
 # weights converted from their 128x128 blocks once, _rowwise_weights), "block" = the block scales promoted every K
-# step. On an H200 rowwise ran the expert FFN 1.29x (Mixtral) / 1.25x (DeepSeek-V3) faster than block at 4096 tokens
+# step. On an H200 rowwise ran the expert FFN 1.31x (Mixtral) / 1.32x (DeepSeek-V3) faster than block at 4096 tokens
 # (bench/results/gpu-fp8-gemm.md), for a second rounding of weights and activations (error vs bf16 9.1e-2 instead of
-# 6.3e-2 on random layers), and slower at decode (64 tokens: 0.51 vs 0.43 ms, bench/results/gpu-fp8.md). "auto":
-# rowwise for batches where TMA runs (sm_90+), block otherwise.
+# 6.3e-2 on random layers; per layer on MiniLM up to 4.2e-2 instead of 2.9e-2, tests/test_fp8.py), and slower at
+# decode (64 tokens: 0.51 vs 0.43 ms). "auto": rowwise for batches where TMA runs (sm_90+), block otherwise.
 FP8_GEMM = os.environ.get("MOECOMPILE_FP8_GEMM", "auto")
 _ROWWISE_WEIGHTS: dict[int, tuple] = {}
 

@@ -129,7 +129,8 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
     # base[e, b]: where expert e's group starts + the assignments to e in the blocks before b
     base = running - counts + (ends - totals).unsqueeze(1)
     block_a = 32
+    block_h = 512 if hidden.element_size() == 1 else 256  # FP8 rows (FP8 dispatch): 512 bytes a copy, as bf16
     _scatter_rows_kernel[(triton.cdiv(n, block_a),)](
         hidden.contiguous(), ids, rank, base, order, rows, n, blocks, hidden=width, TOP_K=top_k,
-        RANK_BLOCK=rank_block, BLOCK_A=block_a, BLOCK_H=min(256, triton.next_power_of_2(width)))
+        RANK_BLOCK=rank_block, BLOCK_A=block_a, BLOCK_H=min(block_h, triton.next_power_of_2(width)))
     return rows, order, ends[:num_experts].contiguous()

@@ -39,6 +39,11 @@ class MoEExperts(nn.Module):
     def forward(self, rows, offsets, activation: str, gated: bool):
         return ops.experts(rows, offsets, self.w_in, self.b_in, self.w_out, self.b_out, activation, gated)
 
+    def routed(self, x, expert_ids, activation: str, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dispatch tokens x [T, H] to their experts and run them: (output rows in expert order, that order)."""
+        rows, order, offsets = ops.dispatch(x, expert_ids, self.w_in.shape[0])
+        return self(rows, offsets, activation, gated), order
+
 
 class MoEBlock(nn.Module):
     """Drop-in replacement for a dense FFN: route -> dispatch -> experts -> combine.
@@ -128,9 +133,8 @@ class MoEBlock(nn.Module):
                     "aux_loss": aux.detach().float(), "entropy": entropy.float(), "top_k": top_k}
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Routed tokens -> weighted sum of their experts' outputs (expert parallelism overrides this)."""
-        c = self.config
-        rows, order, offsets = ops.dispatch(x, expert_ids, c.num_experts)
-        return ops.combine(self.experts(rows, offsets, c.activation, c.gated), order, weights)
+        out, order = self.experts.routed(x, expert_ids, self.config.activation, self.config.gated)
+        return ops.combine(out, order, weights)
 
     def _shared_out(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared is None:

@@ -5,6 +5,17 @@
              y = experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
                              act, gated, <x's dtype>)
 
+When x is the rows of a plain dispatch (x, order, offsets = dispatch(tokens, ids, E)) read by nothing else, the
+tokens are quantised before the dispatch instead (FP8 dispatch, the module view's MoEExpertsFP8.routed): T rows
+quantised instead of T * k, one byte per value moved, the same numbers (the scales are per row):
+
+    after    t_fp8, t_scale_inv = quantize_fp8(tokens, 128)
+             x_fp8, order, offsets = dispatch(t_fp8, ids, E)
+             x_scale_inv = index_select(t_scale_inv, 0, order // top_k)
+             y = experts_fp8(x_fp8, x_scale_inv, ...)
+
+A fused route_dispatch (the compile pipeline) still dispatches the unquantised rows: its router reads them too.
+
 The weights are quantised once, here: the constant behind each weight's get_attr becomes its float8_e4m3fn 128 × 128
 blocks under the same name, with a float32 `<name>_scale_inv` beside it (MoEExpertsFP8's names, and those of HF's
 FineGrainedFP8 experts); a whole MoEExperts module becomes an MoEExpertsFP8. Weights that enter as graph inputs
@@ -21,7 +32,7 @@ import operator
 import torch
 from torch import fx, nn
 
-from moecompile.passes.nodes import value
+from moecompile.passes.nodes import moe_op, value
 from moecompile.block import MoEExperts
 from moecompile.fp8 import ACT_GROUP, FP8, MoEExpertsFP8, quantize_blocks, quantize_weight
 
@@ -117,16 +128,50 @@ def _dtype(gm: fx.GraphModule, w: fx.Node) -> torch.dtype:
     return value(w).dtype
 
 
-def _set_vals(x: fx.Node, quant: fx.Node, parts: tuple[fx.Node, fx.Node]) -> None:
-    """Shape metadata for the new nodes, from the fake tensor of x (when the graph carries them)."""
-    val = value(x)
-    if not isinstance(val, torch._subclasses.fake_tensor.FakeTensor):
-        return
-    with val.fake_mode:
-        out = QUANTIZE_FP8(val, ACT_GROUP)
-    quant.meta["val"] = out
-    for node, v in zip(parts, out):
-        node.meta["val"] = v
+def _propagate(nodes: list[fx.Node]) -> None:
+    """Shape metadata for new or changed nodes, in order, from their inputs' fake tensors (when the graph carries
+    them); Dynamo's "example_value" is replaced too where a node has one, since value() reads it first."""
+    for node in nodes:
+        inputs = [value(n) for n in node.all_input_nodes]
+        fakes = [v for v in inputs if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)]
+        if not fakes or any(v is None for v in inputs):
+            return
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+        with fakes[0].fake_mode:
+            out = node.target(*args, **kwargs)
+        node.meta["val"] = out
+        if "example_value" in node.meta:
+            node.meta["example_value"] = out
+
+
+def _dispatched(x: fx.Node) -> tuple[fx.Node, int] | None:
+    """(dispatch node, top_k) when x is the rows of a plain dispatch that nothing else reads, with top_k known."""
+    if not (x.op == "call_function" and x.target is operator.getitem and x.args[1] == 0 and len(x.users) == 1):
+        return None
+    dispatch = x.args[0]
+    ids = value(dispatch.args[1]) if moe_op(dispatch) == "dispatch" else None
+    return (dispatch, int(ids.shape[-1])) if isinstance(ids, torch.Tensor) else None
+
+
+def _quantize_activations(gm: fx.GraphModule, x: fx.Node, experts: fx.Node) -> tuple[fx.Node, fx.Node, str]:
+    """(x_fp8, x_scale_inv) nodes for the experts node's input rows x, and where they were quantised."""
+    graph = gm.graph
+    found = _dispatched(x)
+    source = found[0].args[0] if found else x
+    with graph.inserting_before(found[0] if found else experts):
+        quant = graph.call_function(QUANTIZE_FP8, (source, ACT_GROUP))
+        q, scale_inv = (graph.call_function(operator.getitem, (quant, i)) for i in (0, 1))
+    if not found:
+        _propagate([quant, q, scale_inv])
+        return q, scale_inv, "rows quantised after the dispatch"
+    dispatch, top_k = found
+    dispatch.update_arg(0, q)
+    with graph.inserting_before(experts):
+        order = graph.call_function(operator.getitem, (dispatch, 1))
+        token = graph.call_function(torch.ops.aten.div.Scalar_mode, (order, top_k), {"rounding_mode": "floor"})
+        rows_scale_inv = graph.call_function(torch.ops.aten.index_select.default, (scale_inv, 0, token))
+    _propagate([quant, q, scale_inv, dispatch, x, order, token, rows_scale_inv])
+    return x, rows_scale_inv, "FP8 dispatch"
 
 
 def insert_fp8(gm: fx.GraphModule, ctx) -> dict:
@@ -154,19 +199,19 @@ def insert_fp8(gm: fx.GraphModule, ctx) -> dict:
                 else:
                     weights += list(_quantize_input(gm, ctx, w))
             (q_in, s_in), (q_out, s_out) = weights[:2], weights[2:]
-            quant = gm.graph.call_function(QUANTIZE_FP8, (x, ACT_GROUP))
-            x_fp8 = gm.graph.call_function(operator.getitem, (quant, 0))
-            x_scale_inv = gm.graph.call_function(operator.getitem, (quant, 1))
+        before = set(gm.graph.nodes)
+        x_fp8, x_scale_inv, dispatched = _quantize_activations(gm, x, node)
+        with gm.graph.inserting_before(node):
             new = gm.graph.call_function(EXPERTS_FP8, (x_fp8, x_scale_inv, offsets, q_in, s_in, b_in, q_out, s_out,
                                                        b_out, activation, gated, out_dtype))
-        for n in (quant, x_fp8, x_scale_inv, new):
-            if "nn_module_stack" in node.meta:
+        if "nn_module_stack" in node.meta:
+            for n in set(gm.graph.nodes) - before:
                 n.meta["nn_module_stack"] = node.meta["nn_module_stack"]
         if val is not None:
             new.meta["val"] = val
-        _set_vals(x, quant, (x_fp8, x_scale_inv))
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         where = "quantised in the graph" if q_in.op == "call_function" else "constants"
-        rewritten.append(f"{node.name}: {w_in.name}, {w_out.name} -> float8_e4m3fn, 128x128 block scales ({where})")
+        rewritten.append(f"{node.name}: {w_in.name}, {w_out.name} -> float8_e4m3fn, 128x128 block scales ({where}); "
+                         f"activations: {dispatched}")
     return {"rewritten": rewritten, "skipped": skipped}

@@ -65,9 +65,10 @@ def cases():
     yield (triton_fp8._grouped_fp8_rowwise_kernel, "first projection", fp8,
            dict(rowwise, K=4096, width=14336, HAS_BIAS=True, GATED=True, ACT=3, QUANT_OUT=True),
            dict(num_warps=8, num_stages=4))
-    yield (triton_fp8._grouped_fp8_rowwise_kernel, "second projection", {**fp8, "out_ptr": BF16},
-           dict(rowwise, K=14336, width=4096, HAS_BIAS=False, GATED=False, ACT=-1, QUANT_OUT=False),
-           dict(num_warps=8, num_stages=4))
+    for warps in (8, 4):
+        yield (triton_fp8._grouped_fp8_rowwise_kernel, f"second projection, {warps} warps", {**fp8, "out_ptr": BF16},
+               dict(rowwise, K=14336, width=4096, HAS_BIAS=False, GATED=False, ACT=-1, QUANT_OUT=False),
+               dict(num_warps=warps, num_stages=4))
     for scoring, bias in ((0, False), (1, True)):
         yield (triton_routing._topk_kernel, f"scoring {scoring}",
                {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
@@ -75,9 +76,13 @@ def cases():
                dict(TOP_K=8, K_PAD=8, E_PAD=256, BLOCK_T=16, SCORING=scoring, HAS_BIAS=bias, RENORM=True), {})
     yield (triton_routing._rank_kernel, "E=128", {"ids_ptr": "*i64", "rank_ptr": "*i32", "counts_ptr": "*i32"},
            dict(BLOCK=64, B_PAD=256), {})
-    yield (triton_routing._scatter_rows_kernel, "H=2048",
-           {"x_ptr": BF16, "ids_ptr": "*i64", "rank_ptr": "*i32", "base_ptr": "*i32", "order_ptr": "*i64",
-            "rows_ptr": BF16}, dict(hidden=2048, TOP_K=8, RANK_BLOCK=64, BLOCK_A=32, BLOCK_H=256), {})
+    scatter = {"x_ptr": BF16, "ids_ptr": "*i64", "rank_ptr": "*i32", "base_ptr": "*i32", "order_ptr": "*i64",
+               "rows_ptr": BF16}
+    yield (triton_routing._scatter_rows_kernel, "H=2048", scatter,
+           dict(hidden=2048, TOP_K=8, RANK_BLOCK=64, BLOCK_A=32, BLOCK_H=256), {})
+    fp8_rows = {**scatter, "x_ptr": "*fp8e4nv", "rows_ptr": "*fp8e4nv"}
+    yield (triton_routing._scatter_rows_kernel, "H=7168 FP8 rows", fp8_rows,
+           dict(hidden=7168, TOP_K=8, RANK_BLOCK=64, BLOCK_A=32, BLOCK_H=512), {})
 
 
 if __name__ == "__main__":

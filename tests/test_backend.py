@@ -126,7 +126,7 @@ def test_fp8_option_quantises_the_experts_in_the_graph(family):
     (record,) = backend.records()
     report = dict(record.reports)["insert_fp8"]
     assert len(report["rewritten"]) == MOE_LAYERS[family] and not report["skipped"]
-    assert all(r.endswith("(constants)") for r in report["rewritten"])  # quantised once, at compile time
+    assert all("(constants)" in r for r in report["rewritten"])  # quantised once, at compile time
     assert len(moe_nodes(record.graph_module, "experts_fp8")) == MOE_LAYERS[family]
     assert not moe_nodes(record.graph_module, "experts")
     cosine = torch.nn.functional.cosine_similarity(got.flatten(1), expected.flatten(1)).min().item()

@@ -2,6 +2,7 @@
 the insert_fp8 pass (graph view), autocast through the MoE ops, accuracy, and the benchmark's CPU smoke run."""
 import copy
 import importlib.util
+import operator
 from pathlib import Path
 
 import pytest
@@ -238,15 +239,19 @@ def test_quantize_model_swaps_experts_and_keeps_the_router():
         fp8.quantize(make_tiny_model("llama"))
 
 
-def test_block_forward_is_quantize_then_experts_fp8():
+@pytest.mark.parametrize("tokens,top_k,capacity", [(10, 2, 0.0), (10, 4, 0.0), (10, 2, 0.5), (0, 2, 0.0)])
+def test_block_forward_is_quantize_then_experts_fp8(tokens, top_k, capacity):
+    """The block quantises its tokens before the dispatch (FP8 dispatch): bit for bit what quantising the dispatched
+    rows gives, with k = E, capacity drops and no tokens."""
     torch.manual_seed(0)
-    block = MoEBlock(MoEConfig(hidden_size=48, expert_size=40, num_experts=4, top_k=2, activation="gelu",
-                               bias_in=True, bias_out="expert")).eval()
-    x = torch.randn(2, 5, 48)
+    block = MoEBlock(MoEConfig(hidden_size=48, expert_size=40, num_experts=4, top_k=top_k, activation="gelu",
+                               bias_in=True, bias_out="expert", capacity_factor=capacity)).eval()
+    x = torch.randn(2, tokens // 2, 48)
     fp8.quantize(block)
     c = block.config
     with torch.no_grad():
-        weights, ids = ops.route(block.router_logits(x.reshape(-1, 48)), 2, 0.0, True)
+        weights, ids = ops.route(block.router_logits(x.reshape(-1, 48)), top_k, capacity, True)
+        assert capacity == 0.0 or (ids == 4).any()  # (the capacity case drops assignments)
         rows, order, offsets = ops.dispatch(x.reshape(-1, 48), ids, 4)
         ex = block.experts
         xq, xs = ops.quantize_fp8(rows, 128)
@@ -297,6 +302,7 @@ def test_fp8_block_exports_as_single_op_nodes():
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
     assert targets.count(OPS.quantize_fp8.default) == 1 and targets.count(OPS.experts_fp8.default) == 1
     assert OPS.experts.default not in targets
+    _assert_fp8_dispatch(ep.graph)
     with torch.no_grad():
         assert torch.equal(ep.module()(x), block(x))
         compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
@@ -305,6 +311,17 @@ def test_fp8_block_exports_as_single_op_nodes():
 
 # ------------------------------------------------------------------------------------------- graph view
 
+def _assert_fp8_dispatch(graph: fx.Graph) -> None:
+    """Every dispatch moves quantised tokens; each experts_fp8 reads the dispatched rows and their gathered
+    scales."""
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    for dispatch in (n for n in nodes if n.target == OPS.dispatch.default):
+        source = dispatch.args[0]
+        assert source.target is operator.getitem and source.args[0].target == OPS.quantize_fp8.default
+    for experts in (n for n in nodes if n.target == OPS.experts_fp8.default):
+        rows, scale_inv = experts.args[:2]
+        assert rows.args[0].target == OPS.dispatch.default and "index_select" in str(scale_inv.target)
+
 def test_insert_fp8_pass_matches_the_module_view():
     model = make_tiny_model("llama")
     args, kwargs = example_inputs(model)
@@ -312,6 +329,8 @@ def test_insert_fp8_pass_matches_the_module_view():
     gm, ctx = run_pipeline(capture(model), {**opts, "fp8": True})
     report = dict(ctx.reports)["insert_fp8"]
     assert len(report["rewritten"]) == 2 and not report["skipped"]
+    assert all(r.endswith("activations: FP8 dispatch") for r in report["rewritten"])
+    _assert_fp8_dispatch(gm.graph)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(OPS.quantize_fp8.default) == 2 and targets.count(OPS.experts_fp8.default) == 2
     assert OPS.experts.default not in targets
@@ -460,15 +479,30 @@ def minilm_fp8(minilm):
     return dense, moe, quantized, batch
 
 
-@pytest.mark.slow
-def test_minilm_fp8_accuracy(minilm_fp8):
-    """Mean-pooled sentence embeddings keep cosine >= 0.99 against the dense model. And per layer: each MoE block of
-    the converted model, on the input it sees in the unquantised model, within 3e-2 relative error of the same block
-    in bf16, computed as a GPU runs one: bf16 weights and input, float32 accumulation (here float32 GEMMs on the
+def _rowwise_experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
+                         activation, gated, out_dtype):
+    """experts_fp8 as the GPU's rowwise kernels compute it for batches on Hopper (kernels/cuda.py): activations
+    requantised from their 1x128 groups to one scale per row, weights to one scale per output channel, float32
+    products; the intermediate activation quantised in 1x128 groups and then per row too."""
+    def per_row(t):  # (1x128 groups, as the epilogue writes them) -> one scale per row
+        t = K.fake_quantize_groups(t)
+        return K.dequantize_groups(*K.quantize_groups(t, t.shape[1]), t.shape[1])
+
+    def channels(w, s):
+        q, row_scale = K.rowwise_from_blocks(w.unsqueeze(0), s.unsqueeze(0))
+        return q[0].float() * row_scale[0].unsqueeze(-1)
+
+    x = per_row(K.dequantize_groups(x_fp8, x_scale_inv))
+    y = R._grouped_ffn(x, offsets, lambda e: (channels(w_in[e], w_in_scale_inv[e]), channels(w_out[e],
+                                                                                             w_out_scale_inv[e])),
+                       b_in, b_out, w_out.shape[1], activation, gated, between=per_row)
+    return y.to(out_dtype)
+
+
+def _layer_errors(moe, quantized, batch) -> list[float]:
+    """Each MoE block of the quantised model, on the input it sees in the unquantised model, against the same block
+    in bf16 computed as a GPU runs one: bf16 weights and input, float32 accumulation (here float32 GEMMs on the
     bf16-rounded values), bf16 output."""
-    dense, moe, quantized, batch = minilm_fp8
-    cos = torch.nn.functional.cosine_similarity(_embed(quantized, batch), _embed(dense, batch), dim=-1)
-    assert cos.mean() >= 0.99 and cos.min() >= 0.99, cos
     inputs = {}
     hooks = [b.register_forward_hook(lambda m, args, out, p=p: inputs.__setitem__(p, args[0]))
              for p, b in moecompile.layout.moe_blocks(moe)]
@@ -482,7 +516,33 @@ def test_minilm_fp8_accuracy(minilm_fp8):
             x = inputs[path]
             bf16 = copy.deepcopy(moe.get_submodule(path)).bfloat16().float()(x.bfloat16().float()).bfloat16()
             errors.append(rel(block(x), bf16))
+    return errors
+
+
+@pytest.mark.slow
+def test_minilm_fp8_accuracy(minilm_fp8):
+    """Mean-pooled sentence embeddings keep cosine >= 0.99 against the dense model; per layer within 3e-2 of bf16
+    (_layer_errors)."""
+    dense, moe, quantized, batch = minilm_fp8
+    cos = torch.nn.functional.cosine_similarity(_embed(quantized, batch), _embed(dense, batch), dim=-1)
+    assert cos.mean() >= 0.99 and cos.min() >= 0.99, cos
+    errors = _layer_errors(moe, quantized, batch)
     assert len(errors) == 6 and max(errors) <= 3e-2, errors
+
+
+@pytest.mark.slow
+def test_minilm_fp8_accuracy_with_the_rowwise_gpu_math(minilm_fp8, monkeypatch):
+    """The math of the GPU's rowwise kernels (weights and activations rounded once more) keeps the embeddings
+    (cosine 0.997-0.998 here) but not the per-layer bar of 3e-2: 1.4e-2 to 4.2e-2 (3 of 6 layers above 3e-2; the
+    block math above: 1.1e-2 to 2.9e-2). Bounded here so that the gap cannot grow unseen."""
+    from moecompile.runtime import registry
+
+    monkeypatch.setitem(registry._KERNELS, ("experts_fp8", "cpu"), _rowwise_experts_fp8)
+    dense, moe, quantized, batch = minilm_fp8
+    cos = torch.nn.functional.cosine_similarity(_embed(quantized, batch), _embed(dense, batch), dim=-1)
+    assert cos.mean() >= 0.99 and cos.min() >= 0.99, cos
+    errors = _layer_errors(moe, quantized, batch)
+    assert len(errors) == 6 and max(errors) <= 4.5e-2, errors
 
 
 # ------------------------------------------------------------------------------------------------ benchmark
