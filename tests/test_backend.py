@@ -156,7 +156,7 @@ def test_resolve_options_fills_defaults_and_takes_mode():
     assert set(opts) == set(backend.OPTIONS)
 
 
-def test_entry_point_backend_without_importing_moecompile():
+def test_entry_point_backend_without_importing_moecompile(tmp_path):
     script = textwrap.dedent("""
         import sys, torch, transformers
         from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
@@ -183,7 +183,8 @@ def test_entry_point_backend_without_importing_moecompile():
             raise SystemExit("registered twice")
         print("ok")
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    # (not from the repository root: `python -c` puts the working directory on sys.path, see tests/conftest.py)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
 

@@ -488,7 +488,7 @@ def test_ep_train_example_under_torchrun(tmp_path):
            "-m", "moecompile.examples.ep_train", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
            "--overlap-degree", "2", "--save", str(save)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)  # (conftest.py)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "ranks: 2 (gloo)" in proc.stdout and "(2 per rank)" in proc.stdout, proc.stdout
     losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
