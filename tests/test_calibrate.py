@@ -47,6 +47,39 @@ def test_masked_forward_equals_block_forward(kw, k):
     torch.testing.assert_close(C.masked_forward(block, x, k), block(x, top_k=k), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kw", [{}, {"gated": True, "shared_expert_size": 0}, {"gate_weighting": "router"}])
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_sparse_and_dense_routed_experts_agree_with_gradients(kw, k):
+    """masked_forward's two ways of running the routed experts: same outputs and same gradients (k = 8 = E too;
+    the router biased so that most experts get no token at k = 1)."""
+    block = option_block(num_experts=8, **kw)
+    with torch.no_grad():
+        block.router.bias[0] += 20.0
+    x = torch.randn(13, 8, generator=gen(2))
+    results = []
+    for routed in (C._routed_sparse, C._routed_dense):
+        block.zero_grad()
+        weights, ids = C.ops.route(block.router_logits(x), k, 0.0, block.config.renormalize)
+        if block.config.gate_weighting == "unit":
+            weights = torch.where(ids < 8, weights - weights.detach() + 1.0, 0.0)
+        out = routed(block, x, weights, ids, block._shared_out(x))
+        out.square().sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}))
+    (sparse, sparse_grads), (dense, dense_grads) = results
+    torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=1e-5)
+    assert sparse_grads.keys() == dense_grads.keys() and "experts.w_in" in sparse_grads
+    for name, g in dense_grads.items():
+        torch.testing.assert_close(sparse_grads[name], g, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_masked_forward_under_bf16_autocast():
+    block = option_block(num_experts=8)
+    x = torch.randn(13, 8, generator=gen(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = C.masked_forward(block, x, 1)  # the sparse way (1 of 8)
+    torch.testing.assert_close(got.float(), block(x, top_k=1), atol=0.1, rtol=0.05)
+
+
 def test_compensation_is_added_for_skipped_experts_only():
     block = option_block(shared_expert_size=0)
     x = torch.randn(9, 8, generator=gen(3))
