@@ -40,8 +40,9 @@ def test_helloworld_gated_sgd_with_capacity(capsys):
     assert len(losses) == 3 and math.isfinite(losses[-1]) and losses[-1] < losses[0], losses
 
 
-def test_helloworld_as_module():
+def test_helloworld_as_module(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "moecompile.examples.helloworld", *TINY, "--device", "cpu",
-                           "--steps", "2"], capture_output=True, text=True, timeout=120)
+                           "--steps", "2"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)  # (not the repository root: tests/conftest.py says why)
     assert proc.returncode == 0, proc.stderr
     assert len(_losses(proc.stdout)) == 2, proc.stdout
