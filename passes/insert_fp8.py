@@ -31,6 +31,7 @@ import operator
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from moecompile.passes.nodes import moe_op, value
 from moecompile.block import MoEExperts
@@ -133,9 +134,9 @@ def _propagate(nodes: list[fx.Node]) -> None:
     them); Dynamo's "example_value" is replaced too where a node has one, since value() reads it first."""
     for node in nodes:
         inputs = [value(n) for n in node.all_input_nodes]
-        fakes = [v for v in inputs if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)]
+        fakes = [v for v in pytree.tree_leaves(inputs) if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)]
         if not fakes or any(v is None for v in inputs):
-            return
+            return  # (the nodes after it read its value)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
         with fakes[0].fake_mode:
             out = node.target(*args, **kwargs)

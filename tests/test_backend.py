@@ -14,6 +14,7 @@ from hf_moe import FAMILIES, MOE_LAYERS, moe_nodes, tiny_moe, token_ids
 import moecompile
 from moecompile import MoECompileError, backend
 from moecompile.cli import main
+from moecompile.passes.nodes import value
 
 NO_INDUCTOR = {"inductor": False}
 
@@ -134,6 +135,23 @@ def test_fp8_option_quantises_the_experts_in_the_graph(family):
     assert not torch.equal(got, expected)  # the FP8 path ran
     with pytest.raises(Exception, match="'fp8' is inference-only"):  # Dynamo wraps the backend's error
         _logits(_compiled(model, fp8=True, **NO_INDUCTOR), ids)
+    torch._dynamo.reset()
+
+
+def test_fp8_option_without_fusion_dispatches_fp8_tokens():
+    """fuse=False leaves plain dispatch nodes: insert_fp8 quantises the tokens before them (FP8 dispatch), with the
+    Dynamo graph's example values updated to FP8 rows."""
+    model, ids = tiny_moe("tiny-mixtral"), token_ids()
+    with torch.no_grad():
+        expected = _logits(model, ids)
+        got = _logits(_compiled(model, fp8=True, fuse=False, **NO_INDUCTOR), ids)
+    (record,) = backend.records()
+    report = dict(record.reports)["insert_fp8"]
+    assert len(report["rewritten"]) == 2 and all(r.endswith("activations: FP8 dispatch") for r in report["rewritten"])
+    for dispatch in moe_nodes(record.graph_module, "dispatch"):
+        assert value(dispatch)[0].dtype == torch.float8_e4m3fn
+    cosine = torch.nn.functional.cosine_similarity(got.flatten(1), expected.flatten(1)).min().item()
+    assert cosine >= 0.999, cosine
     torch._dynamo.reset()
 
 
