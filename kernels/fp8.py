@@ -87,4 +87,3 @@ def rowwise_from_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor) -> tuple[t
         q[e], row_scale = quantize_groups(dequantize_blocks(w_fp8[e], scale_inv[e]), w_fp8.shape[-1])
         s[e] = row_scale[:, 0]
     return q, s
-

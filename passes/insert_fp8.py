@@ -92,13 +92,7 @@ def _quantize_input(gm: fx.GraphModule, ctx, w: fx.Node) -> tuple[fx.Node, fx.No
         return tuple(nodes)
     quant = gm.graph.call_function(quantize_blocks, (w,))
     parts = tuple(gm.graph.call_function(operator.getitem, (quant, i)) for i in (0, 1))
-    val = value(w)
-    if isinstance(val, torch._subclasses.fake_tensor.FakeTensor):
-        with val.fake_mode:
-            out = quantize_blocks(val)
-        quant.meta["val"] = out
-        for node, v in zip(parts, out):
-            node.meta["val"] = v
+    _propagate([quant, *parts])
     return parts
 
 
