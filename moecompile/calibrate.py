@@ -186,6 +186,8 @@ def _graph_partition(features: torch.Tensor, groups: int, seed: int, neighbours:
         a, b = nx.algorithms.community.kernighan_lin_bisection(
             graph.subgraph(order), partition=(set(order[:cut]), set(order[cut:])), weight="weight",
             seed=rng.randrange(2**31))
+        if len(a) != cut:  # networkx may hand the two sides back in either order; the sizes tell them apart
+            a, b = b, a
         bisect(sorted(a), left, first)
         bisect(sorted(b), parts - left, first + left)
 

@@ -125,14 +125,15 @@ def test_split_exact_at_top_k_equals_experts_without_compensation(name):
     torch.testing.assert_close(block(x, top_k=4), C.ffn_output(ffn, x), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("groups", [8, 12])  # 12: bisections into unequal halves (1/3 and 2/3)
 @pytest.mark.parametrize("method", ["kmeans", "graph", "random", "weights"])
-def test_partitions_are_balanced_and_deterministic(method):
+def test_partitions_are_balanced_and_deterministic(method, groups):
     ffn, x = ffn_and_inputs()
-    feats = C.contribution_features(ffn, x)
-    a = C.partition_neurons(feats, 8, method, seed=3)
-    b = C.partition_neurons(feats, 8, method, seed=3)
-    assert [len(g) for g in a] == [32] * 8
-    assert torch.equal(torch.cat(a).sort().values, torch.arange(256))
+    feats = C.contribution_features(ffn, x)[:192]
+    a = C.partition_neurons(feats, groups, method, seed=3)
+    b = C.partition_neurons(feats, groups, method, seed=3)
+    assert [len(g) for g in a] == [192 // groups] * groups
+    assert torch.equal(torch.cat(a).sort().values, torch.arange(192))
     assert all(torch.equal(g, h) for g, h in zip(a, b))
 
 
