@@ -21,6 +21,7 @@ block>chan, p2rel} and X / H in {row, g>row, p2rel, p2}.
 import argparse
 import copy
 import platform
+from pathlib import Path
 
 import torch
 
@@ -143,8 +144,7 @@ def main(argv=None):
         registry._KERNELS.pop(("experts", "cpu"), None)
     text = "\n".join(lines) + "\n"
     if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+        Path(a.out).write_text(text)
     return text
 
 
