@@ -28,6 +28,7 @@ import torch
 import moecompile
 from moecompile import calib_data, models
 from moecompile.calibrate import load_tokenizer, token_batches
+from moecompile.kernels import fp8 as K
 from moecompile.kernels import reference
 from moecompile.runtime import registry
 
@@ -44,47 +45,41 @@ def _round(x, scale):
     return (x / scale).clamp(-448, 448).to(FP8).float() * scale
 
 
-def _amax_scale(a):
-    return (a / 448.0).clamp_min(1e-30)
-
-
 def _pow2_below(small, big):
     """big * 2^-e with e the largest integer keeping the result >= small."""
     return big * torch.exp2(-torch.floor(torch.log2(big / small)))
 
 
 def weights(w, scheme):
-    n, k = w.shape
+    """W [N, K] rounded to FP8 under scheme and back to float32 (kernels/fp8.py's math where it has the scheme)."""
     if scheme == "chan":
-        return _round(w, _amax_scale(w.abs().amax(1, keepdim=True)))
-    tiles = w.reshape(n // 128, 128, k // 128, 128)
-    s = _amax_scale(tiles.abs().amax(dim=(1, 3)))
-    if scheme == "p2rel":
-        s = _pow2_below(s, s.amax(1, keepdim=True))
-    wq = _round(tiles, s[:, None, :, None]).reshape(n, k)
+        return K.fake_quantize_groups(w, w.shape[1])  # one group per row: per output channel
     if scheme == "block":
-        return wq
+        return K.dequantize_blocks(*K.quantize_blocks(w))
     if scheme == "block>chan":
-        return weights(wq, "chan")
-    return _round(wq, s.amax(1).repeat_interleave(128)[:, None])  # p2rel -> one scale per channel: exact
+        return weights(weights(w, "block"), "chan")
+    n, k = w.shape  # p2rel
+    tiles = w.reshape(n // 128, 128, k // 128, 128)
+    s = (tiles.abs().amax(dim=(1, 3)) / K.FP8_MAX).clamp_min(1e-30)
+    s = _pow2_below(s, s.amax(1, keepdim=True))
+    wq = _round(tiles, s[:, None, :, None]).reshape(n, k)
+    return _round(wq, s.amax(1).repeat_interleave(128)[:, None])  # -> one scale per channel: exact
 
 
 def activations(x, scheme):
+    """X or H [M, K] rounded to FP8 under scheme and back to float32."""
     if scheme == "row":
-        return _round(x, _amax_scale(x.abs().amax(1, keepdim=True)))
-    m, k = x.shape
-    groups = x.reshape(m, k // 128, 128)
-    s = _amax_scale(groups.abs().amax(-1))
-    if scheme == "p2rel":
-        s = _pow2_below(s, s.amax(1, keepdim=True))
-    elif scheme == "p2":
-        s = torch.exp2(torch.ceil(torch.log2(s)))
-    xq = _round(groups, s[..., None]).reshape(m, k)
+        return K.fake_quantize_groups(x, x.shape[1])
     if scheme == "g":
-        return xq
+        return K.fake_quantize_groups(x)
     if scheme == "g>row":
-        return activations(xq, "row")
-    return _round(xq, s.amax(1, keepdim=True))  # p2rel, p2 -> one scale per row: exact
+        return activations(activations(x, "g"), "row")
+    m, k = x.shape  # p2rel, p2
+    groups = x.reshape(m, k // 128, 128)
+    s = (groups.abs().amax(-1) / K.FP8_MAX).clamp_min(1e-30)
+    s = _pow2_below(s, s.amax(1, keepdim=True)) if scheme == "p2rel" else torch.exp2(torch.ceil(torch.log2(s)))
+    xq = _round(groups, s[..., None]).reshape(m, k)
+    return _round(xq, s.amax(1, keepdim=True))  # -> one scale per row: exact
 
 
 def experts_kernel(w_scheme, x_scheme, h_scheme):
