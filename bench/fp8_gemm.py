@@ -10,6 +10,10 @@ Same rows, same weights, median ms of the expert FFN (both projections + activat
                  per-output-channel weight scales applied after the K loop (the weights converted from the 128x128
                  blocks, the activations requantised per row): the runtime's path (kernels/cuda.py, autotuned),
                  then each autotuner config with the two projections timed apart (first + second);
+- block gluon:   the block math again (kernels/gluon_fp8.py, Hopper): TMA loads, each K step's wgmma into one of
+                 two partial accumulators so the scaling of step k - 1 runs while step k's wgmma does; the first
+                 projection's bf16 output quantised per 128 channels by a separate pass; then each tile config with
+                 the two projections timed apart (first + second);
 - rowwise CUTLASS: torch._scaled_grouped_mm (CUTLASS, sm90) with per-output-channel weight scales and per-token
                  activation scales, the weights requantised from the 128x128 blocks; bare = the two GEMMs alone.
 err: relative Frobenius error of the output against the bf16 kernel's.
@@ -23,6 +27,10 @@ from options_table import ms
 
 SHAPES = {"mixtral": (4096, 14336, 8, 2, 4096), "deepseek-v3": (7168, 2048, 256, 8, 4096)}
 TRITON_CONFIGS = [(bm, w, s) for bm in (64, 128) for w in (4, 8) for s in (3, 4)]
+# (BLOCK_M, GROUP_M, stages, warps, K steps per unrolled pair): unroll 1 promotes every step after its wgmma (no
+# overlap: the baseline the pairs are measured against); 64-row tiles with 4 warps fit two programs per SM
+GLUON_CONFIGS = [(128, 8, 4, 8, 2), (128, 8, 4, 8, 1), (128, 8, 3, 8, 2), (128, 16, 4, 8, 2), (64, 8, 4, 4, 2),
+                 (64, 8, 3, 4, 2), (64, 16, 4, 4, 2), (64, 8, 4, 4, 1)]
 
 
 def rel(a, b) -> float:
@@ -106,6 +114,39 @@ def run(name, d, f, e, k, tokens, lines):
                          f"{t_bf16 / (t1 + t2):.2f} | |")
         except Exception as ex:  # e.g. out of shared memory
             lines.append(f"| {name} | rowwise triton {label} | failed: {str(ex).splitlines()[0][:60]} | | | |")
+        print(lines[-1], flush=True)
+
+    # block gluon: the block math with each K step's scaling overlapped with the next wgmma (kernels/gluon_fp8.py)
+    from moecompile.kernels import gluon_fp8
+
+    wi_i = gluon_fp8.interleave_gate_up(wi_q)
+
+    def gluon(config=None):
+        xq, xs = triton_fp8.quantize_rows(rows)
+        return gluon_fp8.experts_fp8(xq, xs, offsets, wi_i, wi_s, None, wo_q, wo_s, None, 3, True, torch.bfloat16,
+                                     config)
+
+    err = rel(gluon(), y_bf16)
+    t = ms(gluon)
+    lines.append(f"| {name} | block gluon (default tiles) | {t:.3f} | {tf(t):.0f} | {t_bf16 / t:.2f} | {err:.1e} |")
+    lines.append(f"| {name} | block gluon vs block triton: relative difference {rel(gluon(), block()):.1e} | | | | |")
+    print(lines[-2:], flush=True)
+    xq, xs = triton_fp8.quantize_rows(rows)
+    h = torch.empty(n, f, dtype=torch.bfloat16, device=rows.device)
+    gluon_fp8.grouped_gemm(xq, xs, wi_i, wi_s, None, offsets, h, 3, True)
+    aq, as_ = triton_fp8.quantize_rows(h)
+    t_quant = ms(lambda: triton_fp8.quantize_rows(h))
+    lines.append(f"| {name} | block gluon: quantising the activations (bf16 -> 1x128) | {t_quant:.3f} | | | |")
+    for bm, gm, st, w, u in GLUON_CONFIGS:
+        cfg = dict(block_m=bm, group_m=gm, stages=st, num_warps=w, unroll=u)
+        label = f"BM{bm} G{gm} s{st} w{w} unroll {u}"
+        try:
+            t1 = ms(lambda: gluon_fp8.grouped_gemm(xq, xs, wi_i, wi_s, None, offsets, h, 3, True, **cfg))
+            t2 = ms(lambda: gluon_fp8.grouped_gemm(aq, as_, wo_q, wo_s, None, offsets, y, -1, False, **cfg))
+            lines.append(f"| {name} | block gluon {label} | {t1:.3f} + {t2:.3f} | {tf(t1 + t2):.0f} | "
+                         f"{t_bf16 / (t1 + t2):.2f} | |")
+        except Exception as ex:  # e.g. out of shared memory
+            lines.append(f"| {name} | block gluon {label} | failed: {str(ex).splitlines()[0][:60]} | | | |")
         print(lines[-1], flush=True)
 
     if not hasattr(torch, "_scaled_grouped_mm"):

@@ -163,26 +163,41 @@ def quantize_fp8(x, group: int):
 # (bench/results/gpu-fp8-gemm.md), for a second rounding of weights and activations (error vs bf16 9.1e-2 instead of
 # 6.3e-2 on random layers; per layer on MiniLM up to 4.2e-2 instead of 2.9e-2, tests/test_fp8.py), and slower at
 # decode (64 tokens: 0.51 vs 0.43 ms). "auto": rowwise for batches where TMA runs (sm_90+), block otherwise.
+# Block batches on sm_90 run the Gluon kernel (kernels/gluon_fp8.py: half the promotions overlapped with the next
+# wgmma; expert FFN as fast as the Triton block kernel on Mixtral, 7-16% faster on DeepSeek-V3, gpu-fp8-gemm.md),
+# the rest the Triton block kernel.
 FP8_GEMM = os.environ.get("MOECOMPILE_FP8_GEMM", "auto")
-_ROWWISE_WEIGHTS: dict[int, tuple] = {}
+_CONVERTED_WEIGHTS: dict[tuple, tuple] = {}
 
 
-def _rowwise_weights(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel copy of block-scaled weights, made on first use and kept while w lives unchanged (one more
-    FP8 copy of the expert weights in GPU memory). Not cached while a CUDA graph is being captured: captured
-    kernels do not run, so the copy would hold nothing until a replay."""
+def _converted_weights(w: torch.Tensor, scale_inv: torch.Tensor, convert) -> tuple:
+    """convert(w, scale_inv), made on first use and kept while w lives unchanged (one more FP8 copy of the expert
+    weights in GPU memory). Not cached while a CUDA graph is being captured: captured kernels do not run, so the
+    copy would hold nothing until a replay."""
     try:
         stamp = (w.data_ptr(), w._version, scale_inv.data_ptr(), scale_inv._version)
     except RuntimeError:  # inference tensors keep no version counter (and cannot change outside inference mode)
         stamp = (w.data_ptr(), None, scale_inv.data_ptr(), None)
-    hit = _ROWWISE_WEIGHTS.get(id(w))
+    key = (id(w), convert)
+    hit = _CONVERTED_WEIGHTS.get(key)
     if hit is not None and hit[0]() is w and hit[1] == stamp:
         return hit[2]
-    converted = fp8_math.rowwise_from_blocks(w, scale_inv)
+    converted = convert(w, scale_inv)
     if not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
-        key = id(w)
-        _ROWWISE_WEIGHTS[key] = (weakref.ref(w, lambda _, key=key: _ROWWISE_WEIGHTS.pop(key, None)), stamp, converted)
+        _CONVERTED_WEIGHTS[key] = (weakref.ref(w, lambda _, key=key: _CONVERTED_WEIGHTS.pop(key, None)), stamp,
+                                   converted)
     return converted
+
+
+def _rowwise_weights(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel copy of block-scaled weights (cached, _converted_weights)."""
+    return _converted_weights(w, scale_inv, fp8_math.rowwise_from_blocks)
+
+
+def _interleaved_gate_up(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor]:
+    from . import gluon_fp8
+
+    return (gluon_fp8.interleave_gate_up(w),)
 
 
 def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
@@ -194,6 +209,12 @@ def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, 
         return reference.experts_fp8(*args)
     batch = x_fp8.shape[0] >= DECODE_ROWS_PER_EXPERT * w_in.shape[0]
     rowwise = FP8_GEMM == "rowwise" or (FP8_GEMM == "auto" and batch and triton_moe.tma_supported(x_fp8, w_in))
+    if not rowwise and batch and torch.cuda.get_device_capability(x_fp8.device) == (9, 0):
+        from . import gluon_fp8
+
+        w_in_k = _converted_weights(w_in, w_in_scale_inv, _interleaved_gate_up)[0] if gated else w_in
+        return gluon_fp8.experts_fp8(x_fp8, x_scale_inv, offsets, w_in_k, w_in_scale_inv, b_in, w_out,
+                                     w_out_scale_inv, b_out, triton_moe.ACTIVATION_IDS[activation], gated, out_dtype)
     if not rowwise:
         return triton_fp8.experts_fp8(*args)
     x_rows, x_row_scale = triton_fp8.requantize_rows(x_fp8, x_scale_inv)

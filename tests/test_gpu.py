@@ -27,6 +27,10 @@ def _weights(e, h, i, gated, bias, gen):
     return w_in, b_in, w_out, b_out
 
 
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
 def _bf16(*ts):
     return [None if t is None else t.bfloat16() for t in ts]
 
@@ -139,10 +143,11 @@ def test_block_training_step_on_gpu_matches_reference_kernels(monkeypatch):
 
 @pytest.mark.parametrize("gemm", ["block", "rowwise"])
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
-def test_fp8_kernels_match_reference(gated, bias, gemm, monkeypatch):
+@pytest.mark.parametrize("tokens", [700, 20])  # block: the Gluon kernel on sm_90 (batch), the Triton one (decode)
+def test_fp8_kernels_match_reference(gated, bias, gemm, tokens, monkeypatch):
     monkeypatch.setattr(C, "FP8_GEMM", gemm)
     gen = torch.Generator(device=DEVICE).manual_seed(3)
-    tokens, e, k, h, i = 700, 4, 2, 256, 384
+    e, k, h, i = 4, 2, 256, 384
     w_in, b_in, w_out, b_out = _weights(e, h, i, gated, bias, gen)
     from moecompile.kernels import fp8 as F
 
@@ -162,10 +167,44 @@ def test_fp8_kernels_match_reference(gated, bias, gemm, monkeypatch):
     print("fp8 kernel vs reference", gemm, _rel(got[:kept], want[:kept]))
     # the block kernel computes the reference's math; rowwise rounds weights and activations once more (its exact
     # math is checked against a float32 reference in tests/test_triton_fp8.py)
-    assert _rel(got[:kept], want[:kept]) <= (2e-2 if gemm == "block" else 8e-2)
+    assert _rel(got[:kept], want[:kept]) <= (8e-2 if gemm == "rowwise" else 2e-2)
     exact = R.experts(rows.float(), offsets, w_in, b_in, w_out, b_out, "silu" if gated else "gelu", gated)
     # e4m3's own error on these random weights: the float32 reference of experts_fp8 is 6.4e-2 (gated) off too
-    assert _rel(got[:kept], exact[:kept]) <= (8e-2 if gemm == "block" else 1e-1)
+    assert _rel(got[:kept], exact[:kept]) <= (1e-1 if gemm == "rowwise" else 8e-2)
+
+
+@pytest.mark.skipif(not _hopper(), reason="sm_90 only")
+@pytest.mark.parametrize("counts,hidden,width", [
+    ([0, 37, 300, 1], 256, 384),  # an empty expert, odd group sizes, K of 3 steps (fewer than the stages)
+    ([0, 0, 513, 0], 384, 256),  # every row to one expert
+    ([200], 128, 128),  # one expert, one K step
+    ([64, 0, 129, 5, 0, 0, 700, 3], 512, 640)])
+@pytest.mark.parametrize("activation,gated,bias", [("silu", True, False), ("gelu", False, True), ("relu", True, True)])
+def test_gluon_fp8_matches_reference_math(counts, hidden, width, activation, gated, bias):
+    """kernels/gluon_fp8.py against the reference experts_fp8 (the same block math in float32), groups of any size;
+    rows past offsets[-1] (10 extra here) are not written."""
+    from moecompile.kernels import fp8 as F
+    from moecompile.kernels import gluon_fp8, triton_moe
+
+    gen = torch.Generator(device=DEVICE).manual_seed(len(counts) + hidden)
+    e = len(counts)
+    w_in, b_in, w_out, b_out = _weights(e, hidden, width, gated, bias, gen)
+    w_in_q, w_in_s = F.quantize_blocks(w_in)
+    w_out_q, w_out_s = F.quantize_blocks(w_out)
+    offsets = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
+    n = int(offsets[-1])
+    xq, xs = C.quantize_fp8(torch.randn(n + 10, hidden, generator=gen, device=DEVICE).bfloat16(), 128)
+    b_in, b_out = _bf16(b_in, b_out)
+    w_in_k = gluon_fp8.interleave_gate_up(w_in_q) if gated else w_in_q
+    got = gluon_fp8.experts_fp8(xq, xs, offsets, w_in_k, w_in_s, b_in, w_out_q, w_out_s, b_out,
+                                triton_moe.ACTIVATION_IDS[activation], gated, torch.bfloat16)
+    want = R.experts_fp8(xq, xs, offsets, w_in_q, w_in_s, b_in, w_out_q, w_out_s, b_out, activation, gated,
+                         torch.float32)
+    print("gluon fp8 vs reference", counts, activation, _rel(got[:n], want[:n]))
+    assert got.shape == (n + 10, hidden) and torch.isfinite(got[:n]).all()
+    # the same math but for one more rounding: the kernel writes the first projection's output in bf16 before
+    # quantising it per 128 channels, which moves ~3% of those fp8 values by one step (1.1e-2 measured, silu)
+    assert _rel(got[:n], want[:n]) <= 2e-2
 
 
 @pytest.mark.parametrize("gemm", ["block", "rowwise"])
@@ -192,7 +231,7 @@ def test_fp8_block_dispatches_fp8_rows_on_gpu(gemm, monkeypatch):
         monkeypatch.setenv("MOECOMPILE_KERNELS", "reference")
         want = block(x)
     print("fp8 block vs reference kernels", gemm, _rel(got, want))
-    assert got.dtype == torch.bfloat16 and _rel(got, want) <= (2e-2 if gemm == "block" else 8e-2)
+    assert got.dtype == torch.bfloat16 and _rel(got, want) <= (8e-2 if gemm == "rowwise" else 2e-2)
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(4096, 8, 2), (2048, 128, 8), (1024, 256, 8), (333, 6, 6)])

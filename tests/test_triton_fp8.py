@@ -134,6 +134,6 @@ def test_rowwise_weights_are_converted_once_per_weight_tensor():
     again = cuda._rowwise_weights(w, s)
     assert again is not first
     torch.testing.assert_close(again[1], first[1] * 2.0)
-    key = id(w)
+    key = (id(w), fp8_math.rowwise_from_blocks)
     del w, first, again
-    assert key not in cuda._ROWWISE_WEIGHTS  # dropped with its weight
+    assert key not in cuda._CONVERTED_WEIGHTS  # dropped with its weight
