@@ -165,8 +165,9 @@ def test_fp8_kernels_match_reference(gated, bias, gemm, tokens, monkeypatch):
     want = R.experts_fp8(*args)
     kept = int(offsets[-1])
     print("fp8 kernel vs reference", gemm, _rel(got[:kept], want[:kept]))
-    # the block kernel computes the reference's math; rowwise rounds weights and activations once more (its exact
-    # math is checked against a float32 reference in tests/test_triton_fp8.py)
+    # block computes the reference's math (the Gluon kernel with one more rounding of the first projection's output,
+    # test_gluon_fp8_matches_reference_math); rowwise rounds weights and activations once more (its exact math is
+    # checked against a float32 reference in tests/test_triton_fp8.py)
     assert _rel(got[:kept], want[:kept]) <= (8e-2 if gemm == "rowwise" else 2e-2)
     exact = R.experts(rows.float(), offsets, w_in, b_in, w_out, b_out, "silu" if gated else "gelu", gated)
     # e4m3's own error on these random weights: the float32 reference of experts_fp8 is 6.4e-2 (gated) off too
@@ -181,8 +182,8 @@ def test_fp8_kernels_match_reference(gated, bias, gemm, tokens, monkeypatch):
     ([64, 0, 129, 5, 0, 0, 700, 3], 512, 640)])
 @pytest.mark.parametrize("activation,gated,bias", [("silu", True, False), ("gelu", False, True), ("relu", True, True)])
 def test_gluon_fp8_matches_reference_math(counts, hidden, width, activation, gated, bias):
-    """kernels/gluon_fp8.py against the reference experts_fp8 (the same block math in float32), groups of any size;
-    rows past offsets[-1] (10 extra here) are not written."""
+    """kernels/gluon_fp8.py against the reference experts_fp8 (the same block math in float32), groups of any size,
+    with 10 input rows past offsets[-1] (dropped assignments: their outputs are unspecified)."""
     from moecompile.kernels import fp8 as F
     from moecompile.kernels import gluon_fp8, triton_moe
 
