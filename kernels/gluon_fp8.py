@@ -6,8 +6,9 @@ the tensor cores idle while the scaling runs (kernels/triton_fp8.py's block kern
 between two partial accumulators: step k's wgmma is issued, then the kernel waits for step k - 1 only
 (wait_group 1) and scales it while step k runs. ptxas keeps that overlap only in straight-line code (a wgmma in
 flight across a loop's back edge, or a branch in between, and it serialises every wgmma), so the K loop runs
-UNROLL steps straight and drains after them: with pairs, half the promotions overlap (measured 5-10% faster than
-none, bench/results/gpu-fp8-gemm.md). TMA loads run STAGES - 1 steps ahead on mbarriers.
+UNROLL steps straight and drains after them: with pairs, half the promotions overlap (measured 4-7% faster than
+none, bench/results/gpu-fp8-gemm.md; four steps straight need more than 255 registers). TMA loads run STAGES - 1
+steps ahead on mbarriers.
 
 Gated first projections take the weights with gate and up rows interleaved in runs of 64 (interleave_gate_up):
 one 128-row weight tile is 64 gate and the same 64 up channels, so one m64n128 wgmma per warpgroup covers both
