@@ -5,10 +5,12 @@ measured faster for the shape, and the Triton weighted combine. No host synchron
 Rows of `experts`' output at or past offsets[-1] (dropped assignments) are left unspecified here; combine never
 reads them. Shapes grouped_mm cannot take (non-bf16, unaligned, pre-Hopper, empty) go to the reference kernels.
 """
+import logging
 import os
 import weakref
 
 import torch
+from triton.compiler.errors import CompilationError
 
 from . import fp8 as fp8_math
 from . import reference, triton_fp8, triton_moe, triton_routing
@@ -167,6 +169,7 @@ def quantize_fp8(x, group: int):
 # wgmma; expert FFN as fast as the Triton block kernel on Mixtral, 7-16% faster on DeepSeek-V3, gpu-fp8-gemm.md),
 # the rest the Triton block kernel.
 FP8_GEMM = os.environ.get("MOECOMPILE_FP8_GEMM", "auto")
+_GLUON_UNUSABLE: list[Exception] = []  # set when the Gluon kernel failed to build here: the Triton one from then on
 _CONVERTED_WEIGHTS: dict[tuple, tuple] = {}
 
 
@@ -209,12 +212,20 @@ def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, 
         return reference.experts_fp8(*args)
     batch = x_fp8.shape[0] >= DECODE_ROWS_PER_EXPERT * w_in.shape[0]
     rowwise = FP8_GEMM == "rowwise" or (FP8_GEMM == "auto" and batch and triton_moe.tma_supported(x_fp8, w_in))
-    if not rowwise and batch and torch.cuda.get_device_capability(x_fp8.device) == (9, 0):
-        from . import gluon_fp8
+    if not rowwise and batch and not _GLUON_UNUSABLE and torch.cuda.get_device_capability(x_fp8.device) == (9, 0):
+        try:
+            from . import gluon_fp8
 
-        w_in_k = _converted_weights(w_in, w_in_scale_inv, _interleaved_gate_up)[0] if gated else w_in
-        return gluon_fp8.experts_fp8(x_fp8, x_scale_inv, offsets, w_in_k, w_in_scale_inv, b_in, w_out,
-                                     w_out_scale_inv, b_out, triton_moe.ACTIVATION_IDS[activation], gated, out_dtype)
+            w_in_k = _converted_weights(w_in, w_in_scale_inv, _interleaved_gate_up)[0] if gated else w_in
+            return gluon_fp8.experts_fp8(x_fp8, x_scale_inv, offsets, w_in_k, w_in_scale_inv, b_in, w_out,
+                                         w_out_scale_inv, b_out, triton_moe.ACTIVATION_IDS[activation], gated,
+                                         out_dtype)
+        except (ImportError, AttributeError, CompilationError) as error:
+            # Gluon is experimental and changes between Triton releases: written for 3.6 (and compiles with 3.9)
+            _GLUON_UNUSABLE.append(error)
+            logging.getLogger("moecompile").warning(
+                "the Gluon FP8 kernel does not build with this Triton (%s: %s); using the Triton block kernel",
+                type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else "")
     if not rowwise:
         return triton_fp8.experts_fp8(*args)
     x_rows, x_row_scale = triton_fp8.requantize_rows(x_fp8, x_scale_inv)

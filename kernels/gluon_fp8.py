@@ -27,6 +27,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .triton_moe import _activation
 
+# Gluon is experimental and renames its builtins between Triton versions: the TMA load is async_copy_global_to_shared
+# in Triton 3.6 (the device's) and async_load in 3.9 (this machine's; compiled for sm_90a there, not run)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 BLOCK_K = gl.constexpr(128)  # one weight block along K: one promotion per K step
 HALF = gl.constexpr(64)  # gate / up channels per weight tile of a gated projection
 
@@ -68,8 +71,8 @@ def _refill(k, ops, k_steps: gl.constexpr, STAGES: gl.constexpr):
     live = refill < k_steps
     r = refill % STAGES
     mbarrier.expect(bars.index(r), a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=live)
-    tma.async_copy_global_to_shared(a_desc, [row0, refill * BLOCK_K], bars.index(r), a_smem.index(r), pred=live)
-    tma.async_copy_global_to_shared(w_desc, [w_row0, refill * BLOCK_K], bars.index(r), w_smem.index(r), pred=live)
+    _tma_load(a_desc, [row0, refill * BLOCK_K], bars.index(r), a_smem.index(r), pred=live)
+    _tma_load(w_desc, [w_row0, refill * BLOCK_K], bars.index(r), w_smem.index(r), pred=live)
 
 
 @gluon.jit
@@ -164,8 +167,8 @@ def _block_fp8_kernel(a_desc, w_desc, a_scale_ptr, w_scale_ptr, bias_ptr, offset
         for i in gl.static_range(STAGES - 1):
             if i < k_steps:
                 mbarrier.expect(bars.index(i), nbytes)
-                tma.async_copy_global_to_shared(a_desc, [row0, i * BLOCK_K], bars.index(i), a_smem.index(i))
-                tma.async_copy_global_to_shared(w_desc, [w_row0, i * BLOCK_K], bars.index(i), w_smem.index(i))
+                _tma_load(a_desc, [row0, i * BLOCK_K], bars.index(i), a_smem.index(i))
+                _tma_load(w_desc, [w_row0, i * BLOCK_K], bars.index(i), w_smem.index(i))
 
         # two partial accumulators, p0 for even K steps and p1 for odd ones (_steps)
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)

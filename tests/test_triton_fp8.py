@@ -137,3 +137,36 @@ def test_rowwise_weights_are_converted_once_per_weight_tensor():
     key = (id(w), fp8_math.rowwise_from_blocks)
     del w, first, again
     assert key not in cuda._CONVERTED_WEIGHTS  # dropped with its weight
+
+
+def test_block_batches_fall_back_to_triton_when_gluon_does_not_build(monkeypatch, caplog):
+    """kernels/cuda.py's FP8 dispatch as on an H200 (faked here): block-scaled batches go to the Gluon kernel; when
+    this Triton's Gluon rejects it (an experimental dialect: builtins get renamed), one warning, then the Triton block
+    kernel, and the Gluon kernel is not tried again."""
+    from moecompile.kernels import cuda, gluon_fp8
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append("gluon")
+        raise AttributeError("module 'tma' has no attribute 'async_copy_global_to_shared'")
+
+    def triton_block(*args):
+        calls.append("triton")
+        return "triton block"
+
+    monkeypatch.setattr(cuda, "FP8_GEMM", "block")
+    monkeypatch.setattr(cuda, "_GLUON_UNUSABLE", [])
+    monkeypatch.setattr(cuda, "_fp8_gemm_supported", lambda x: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(gluon_fp8, "experts_fp8", broken)
+    monkeypatch.setattr(triton_fp8, "experts_fp8", triton_block)
+    e, h, f, n = 2, 128, 128, 256  # 128 rows per expert: a batch
+    w_in, w_in_s = _block_quantize(torch.randn(e, 2 * f, h))
+    w_out, w_out_s = _block_quantize(torch.randn(e, h, f))
+    xq, xs = fp8_math.quantize_groups(torch.randn(n, h))
+    args = (xq, xs, torch.tensor([100, n], dtype=torch.int32), w_in, w_in_s, None, w_out, w_out_s, None, "silu", True,
+            torch.bfloat16)
+    assert cuda.experts_fp8(*args) == "triton block" and calls == ["gluon", "triton"]
+    assert len(cuda._GLUON_UNUSABLE) == 1 and "does not build with this Triton" in caplog.text
+    assert cuda.experts_fp8(*args) == "triton block" and calls == ["gluon", "triton", "triton"]
