@@ -173,7 +173,7 @@ _GLUON_UNUSABLE: list[Exception] = []  # set when the Gluon kernel failed to bui
 _CONVERTED_WEIGHTS: dict[tuple, tuple] = {}
 
 
-def _converted_weights(w: torch.Tensor, scale_inv: torch.Tensor, convert) -> tuple:
+def _converted_weights(w: torch.Tensor, scale_inv: torch.Tensor, convert):
     """convert(w, scale_inv), made on first use and kept while w lives unchanged (one more FP8 copy of the expert
     weights in GPU memory). Not cached while a CUDA graph is being captured: captured kernels do not run, so the
     copy would hold nothing until a replay."""
@@ -197,10 +197,10 @@ def _rowwise_weights(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Te
     return _converted_weights(w, scale_inv, fp8_math.rowwise_from_blocks)
 
 
-def _interleaved_gate_up(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor]:
+def _interleaved_gate_up(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     from . import gluon_fp8
 
-    return (gluon_fp8.interleave_gate_up(w),)
+    return gluon_fp8.interleave_gate_up(w)
 
 
 def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
@@ -216,7 +216,7 @@ def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, 
         try:
             from . import gluon_fp8
 
-            w_in_k = _converted_weights(w_in, w_in_scale_inv, _interleaved_gate_up)[0] if gated else w_in
+            w_in_k = _converted_weights(w_in, w_in_scale_inv, _interleaved_gate_up) if gated else w_in
             return gluon_fp8.experts_fp8(x_fp8, x_scale_inv, offsets, w_in_k, w_in_scale_inv, b_in, w_out,
                                          w_out_scale_inv, b_out, triton_moe.ACTIVATION_IDS[activation], gated,
                                          out_dtype)

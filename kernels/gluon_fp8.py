@@ -217,10 +217,6 @@ def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
     return w.view(e, 2, rows // (2 * HALF.value), HALF.value, k).transpose(1, 2).reshape(e, rows, k)
 
 
-def supported(hidden: int, width: int) -> bool:
-    return hidden % BLOCK_K.value == 0 and width % BLOCK_K.value == 0
-
-
 def grouped_gemm(a, a_scale, w, w_scale, bias, offsets, out, activation_id: int, gated: bool,
                  block_m: int = 128, group_m: int = 8, stages: int = 4, num_warps: int = 8, unroll: int = 2):
     """One grouped projection over rows in expert order (see _block_fp8_kernel); `w` interleaved when gated.
@@ -256,18 +252,16 @@ def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, 
     if n_rows == 0:
         return y
     h = torch.empty(n_rows, width, dtype=torch.bfloat16, device=x_fp8.device)
-    first, second = (config, config) if config else _tiles(n_rows, w_in.shape[0])
+    tiles = config or _tiles(n_rows, w_in.shape[0])
     grouped_gemm(x_fp8.contiguous(), x_scale_inv, w_in, w_in_scale_inv, b_in, offsets, h, activation_id, gated,
-                 **first)
+                 **tiles)
     a, a_scale = quantize_rows(h)
-    return grouped_gemm(a, a_scale, w_out, w_out_scale_inv, b_out, offsets, y, -1, False, **second)
+    return grouped_gemm(a, a_scale, w_out, w_out_scale_inv, b_out, offsets, y, -1, False, **tiles)
 
 
-def _tiles(n_rows: int, num_experts: int) -> tuple[dict, dict]:
-    """Tile configs of the two projections, the fastest measured on an H200 (bench/results/gpu-fp8-gemm.md): 128-row
+def _tiles(n_rows: int, num_experts: int) -> dict:
+    """The tile config of both projections, the fastest measured on an H200 (bench/results/gpu-fp8-gemm.md): 128-row
     tiles once experts average 512 rows (Mixtral), else 64-row tiles with 4 warps, two programs per SM (DeepSeek-V3)."""
     if n_rows >= 512 * num_experts:
-        tiles = dict(block_m=128, group_m=8, stages=4, num_warps=8)
-    else:
-        tiles = dict(block_m=64, group_m=8, stages=4, num_warps=4)
-    return tiles, tiles
+        return dict(block_m=128, group_m=8, stages=4, num_warps=8)
+    return dict(block_m=64, group_m=8, stages=4, num_warps=4)
