@@ -6,7 +6,7 @@ on held-out sentences and on calibration batches it trained on.
 
 Variants (all 1200 Adam steps, one-cycle lr 3e-4, first third of the blocks frozen, as the default):
 - default: the calibration batches (stdlib sentences, ~270k tokens, 387 batches);
-- fresh: docstring sentences of the installed torch and transformers packages instead (~800k tokens, not repeated);
+- fresh: docstring sentences of the installed torch and transformers instead (~800k tokens: a batch drawn ~1.4x);
 - mixed: those (~600k tokens) and the calibration batches together;
 - crops: the calibration batches and as many batches of random 50-90% word spans of the same sentences;
 - dropout: the model's own dropout (p 0.1) on during the stage, as a regulariser;
