@@ -33,20 +33,12 @@ from moecompile.calibrate import (_ADAM, CalibConfig, _embedding_loss, _last_hid
                                   quality, token_batches)
 
 
-@functools.lru_cache(maxsize=1)
 def package_sentences(names=("torch", "transformers")) -> list[str]:
-    """Docstring sentences of installed packages (the stdlib corpus's filters)."""
-    site, out, seen = Path(sysconfig.get_paths()["purelib"]), [], set()
-    for name in names:
-        for path in sorted((site / name).rglob("*.py")):
-            if calib_data.SKIP_DIRS.intersection(path.relative_to(site).parts[:-1]):
-                continue
-            for doc in calib_data._docstrings(path.read_text(encoding="utf-8", errors="replace")):
-                for p in calib_data._paragraphs(doc):
-                    if p not in seen:
-                        seen.add(p)
-                        out.extend(calib_data.sentences([p]))
-    return out
+    """Docstring sentences of installed packages: the stdlib corpus's reader (files, filters, de-duplication) run on
+    each package's folder, both of its splits."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    return [s for name in names for part in calib_data._stdlib_paragraphs(str(site / name)).values()
+            for s in calib_data.sentences(list(part))]
 
 
 def crops(texts: list[str], seed: int = 5) -> list[str]:
