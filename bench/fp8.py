@@ -54,6 +54,13 @@ def kernel_names(device: torch.device) -> dict[str, str]:
             for op in ("route", "dispatch", "experts", "combine", "quantize_fp8", "experts_fp8")}
 
 
+def fp8_gemm_choice() -> str:
+    """What kernels/cuda.py runs for FP8 batches (MOECOMPILE_FP8_GEMM / MOECOMPILE_FP8_BLOCK_KERNEL)."""
+    from moecompile.kernels import cuda
+
+    return f"FP8 GEMM {cuda.FP8_GEMM} (block batches on sm_90: {cuda.FP8_BLOCK_KERNEL})"
+
+
 def graph_ms(fn, device: torch.device, ops: tuple[str, ...]) -> float | None:
     """Median time of fn() replayed from a CUDA graph; None off CUDA, or when one of `ops` runs its reference
     kernel (which synchronises with the host: capturing it would fail)."""
@@ -160,7 +167,7 @@ def main(argv=None):
         "# FP8 vs bf16 MoE layer (moecompile)",
         "",
         f"Device: {device_name}; torch {torch.__version__}, python {platform.python_version()}; kernels: "
-        + ", ".join(f"{op} = {m}" for op, m in kernels.items()) + ".",
+        + ", ".join(f"{op} = {m}" for op, m in kernels.items()) + f"; {fp8_gemm_choice()}.",
         f"Command: `python bench/{' '.join(['fp8.py'] + (sys.argv[1:] if argv is None else list(argv)))}` "
         f"({time.time() - start:.0f} s).",
         "One SwiGLU MoE layer forward, dropless, bf16 activations, median ms. eager / graph: the whole layer, "

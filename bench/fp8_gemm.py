@@ -14,6 +14,9 @@ Same rows, same weights, median ms of the expert FFN (both projections + activat
                  two partial accumulators so the scaling of step k - 1 runs while step k's wgmma does; the first
                  projection's bf16 output quantised per 128 channels by a separate pass; then each tile config with
                  the two projections timed apart (first + second);
+- block CUTLASS: the block math on CUTLASS's sm90 blockwise-scaled grouped GEMM (kernels/cutlass_fp8.py: 128x128
+                 tiles, two consumer warpgroups, float32 promotion every 128 of K), with one Triton pass between the
+                 projections (SwiGLU + quantising per 128 channels); then the two GEMMs and that pass apart;
 - rowwise CUTLASS: torch._scaled_grouped_mm (CUTLASS, sm90) with per-output-channel weight scales and per-token
                  activation scales, the weights requantised from the 128x128 blocks; bare = the two GEMMs alone.
 err: relative Frobenius error of the output against the bf16 kernel's.
@@ -148,6 +151,41 @@ def run(name, d, f, e, k, tokens, lines):
         except Exception as ex:  # e.g. out of shared memory
             lines.append(f"| {name} | block gluon {label} | failed: {str(ex).splitlines()[0][:60]} | | | |")
         print(lines[-1], flush=True)
+
+    # block CUTLASS: the block math on CUTLASS's sm90 blockwise grouped GEMM (kernels/cutlass_fp8.py), the
+    # runtime's block path on Hopper where it builds
+    from moecompile.kernels import cutlass_fp8
+
+    try:
+        cutlass_fp8.library()
+    except cutlass_fp8.CutlassUnavailable as ex:
+        lines.append(f"| {name} | block CUTLASS | unavailable: {ex} | | | |")
+    else:
+        wi_t, wo_t = cutlass_fp8.weight_scales(wi_q, wi_s), cutlass_fp8.weight_scales(wo_q, wo_s)
+
+        def cutlass_chain():
+            xq, xs = triton_fp8.quantize_rows(rows)
+            h = cutlass_fp8.grouped_gemm(xq, xs, offsets, wi_q, wi_t)
+            aq, as_ = triton_fp8.activation_quantize(h, offsets, None, "silu", True)
+            return cutlass_fp8.grouped_gemm(aq, as_, offsets, wo_q, wo_t)
+
+        err = rel(cutlass_chain(), y_bf16)
+        t = ms(cutlass_chain)
+        lines.append(f"| {name} | block CUTLASS (quantise, GEMM, SwiGLU + quantise, GEMM) | {t:.3f} | {tf(t):.0f} | "
+                     f"{t_bf16 / t:.2f} | {err:.1e} |")
+        diff = rel(cutlass_chain(), block())
+        lines.append(f"| {name} | block CUTLASS vs block triton: relative difference {diff:.1e} | | | | |")
+        xq, xs = triton_fp8.quantize_rows(rows)
+        h = cutlass_fp8.grouped_gemm(xq, xs, offsets, wi_q, wi_t)
+        aq, as_ = triton_fp8.activation_quantize(h, offsets, None, "silu", True)
+        t1 = ms(lambda: cutlass_fp8.grouped_gemm(xq, xs, offsets, wi_q, wi_t))
+        t2 = ms(lambda: cutlass_fp8.grouped_gemm(aq, as_, offsets, wo_q, wo_t))
+        t_act = ms(lambda: triton_fp8.activation_quantize(h, offsets, None, "silu", True))
+        lines.append(f"| {name} | block CUTLASS GEMMs alone (first + second) | {t1:.3f} + {t2:.3f} | "
+                     f"{tf(t1 + t2):.0f} | {t_bf16 / (t1 + t2):.2f} | |")
+        lines.append(f"| {name} | block CUTLASS: SwiGLU + quantising the activations (bf16 -> 1x128) | {t_act:.3f} "
+                     "| | | |")
+        print(lines[-4:], flush=True)
 
     if not hasattr(torch, "_scaled_grouped_mm"):
         lines.append(f"| {name} | rowwise | torch._scaled_grouped_mm missing | | | |")

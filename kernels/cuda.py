@@ -165,10 +165,12 @@ def quantize_fp8(x, group: int):
 # (bench/results/gpu-fp8-gemm.md), for a second rounding of weights and activations (error vs bf16 9.1e-2 instead of
 # 6.3e-2 on random layers; per layer on MiniLM up to 4.2e-2 instead of 2.9e-2, tests/test_fp8.py), and slower at
 # decode (64 tokens: 0.51 vs 0.43 ms). "auto": rowwise for batches where TMA runs (sm_90+), block otherwise.
-# Block batches on sm_90 run the Gluon kernel (kernels/gluon_fp8.py: half the promotions overlapped with the next
-# wgmma; expert FFN as fast as the Triton block kernel on Mixtral, 7-16% faster on DeepSeek-V3, gpu-fp8-gemm.md),
-# the rest the Triton block kernel.
 FP8_GEMM = os.environ.get("MOECOMPILE_FP8_GEMM", "auto")
+# The kernel of block batches on sm_90: "auto" = CUTLASS's blockwise grouped GEMM where it builds (kernels/
+# cutlass_fp8.py, needs nvcc and nvidia-cutlass; expert FFN 1.53x / 1.57x bf16 on Mixtral / DeepSeek-V3 against the
+# Gluon kernel's 1.30x / 1.38x, bench/results/gpu-fp8-gemm.md), else the Gluon kernel (kernels/gluon_fp8.py: half
+# the promotions overlapped with the next wgmma), else the Triton block kernel, which also runs everything else.
+FP8_BLOCK_KERNEL = os.environ.get("MOECOMPILE_FP8_BLOCK_KERNEL", "auto")  # auto | cutlass | gluon | triton
 _GLUON_UNUSABLE: list[Exception] = []  # set when the Gluon kernel failed to build here: the Triton one from then on
 _CONVERTED_WEIGHTS: dict[tuple, tuple] = {}
 
@@ -203,6 +205,41 @@ def _interleaved_gate_up(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tens
     return gluon_fp8.interleave_gate_up(w)
 
 
+_CUTLASS_UNUSABLE: list[Exception] = []  # set when the CUTLASS library failed to build or load here
+
+
+def _cutlass_usable(x_fp8, w_out) -> bool:
+    from . import cutlass_fp8
+
+    if _CUTLASS_UNUSABLE or not cutlass_fp8.supported(x_fp8.shape[1], w_out.shape[2], w_out.shape[1]):
+        return False
+    try:
+        cutlass_fp8.library()
+    except cutlass_fp8.CutlassUnavailable as error:
+        _CUTLASS_UNUSABLE.append(error)
+        logging.getLogger("moecompile").warning("the CUTLASS FP8 kernel is not available (%s); block batches run "
+                                                "the Gluon or Triton kernel", error)
+        return False
+    return True
+
+
+def _experts_fp8_cutlass(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
+                         activation: str, gated: bool, out_dtype: torch.dtype):
+    """Both projections on CUTLASS's block-scaled grouped GEMM; between them one Triton pass: bias, activation and
+    the quantisation of the intermediate activation per row per 128 channels."""
+    from . import cutlass_fp8
+
+    h = cutlass_fp8.grouped_gemm(x_fp8, x_scale_inv, offsets, w_in,
+                                 _converted_weights(w_in, w_in_scale_inv, cutlass_fp8.weight_scales))
+    a, a_scale = triton_fp8.activation_quantize(h, offsets, b_in, activation, gated)
+    y = cutlass_fp8.grouped_gemm(a, a_scale, offsets, w_out,
+                                 _converted_weights(w_out, w_out_scale_inv, cutlass_fp8.weight_scales))
+    if b_out is not None:
+        rows = _row_expert(offsets, y.shape[0]).clamp_max(w_out.shape[0] - 1)
+        y += b_out.to(y.dtype).index_select(0, rows)
+    return y.to(out_dtype)
+
+
 def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
                 activation: str, gated: bool, out_dtype: torch.dtype):
     args = (x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out, activation,
@@ -212,7 +249,10 @@ def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, 
         return reference.experts_fp8(*args)
     batch = x_fp8.shape[0] >= DECODE_ROWS_PER_EXPERT * w_in.shape[0]
     rowwise = FP8_GEMM == "rowwise" or (FP8_GEMM == "auto" and batch and triton_moe.tma_supported(x_fp8, w_in))
-    if not rowwise and batch and not _GLUON_UNUSABLE and torch.cuda.get_device_capability(x_fp8.device) == (9, 0):
+    hopper_batch = batch and torch.cuda.get_device_capability(x_fp8.device) == (9, 0)
+    if not rowwise and hopper_batch and FP8_BLOCK_KERNEL in ("auto", "cutlass") and _cutlass_usable(x_fp8, w_out):
+        return _experts_fp8_cutlass(*args)
+    if not rowwise and hopper_batch and FP8_BLOCK_KERNEL in ("auto", "gluon") and not _GLUON_UNUSABLE:
         try:
             from . import gluon_fp8
 

@@ -175,15 +175,18 @@ def _groups(offsets: torch.Tensor):
 
 
 def _grouped_ffn(x, offsets, expert_weights, b_in, b_out, out_features: int, activation: str, gated: bool,
-                 interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0, between=None):
+                 interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0, between=None, first=None):
     """Rows of group e go through expert e: act(x W_in[e]^T + b_in[e]) W_out[e]^T + b_out[e], with
-    (W_in[e], W_out[e]) = expert_weights(e) and `between` (if given) applied to the activation."""
+    (W_in[e], W_out[e]) = expert_weights(e), `first` (if given) applied to x W_in[e]^T before the bias and
+    `between` to the activation (how a kernel rounds them)."""
     y = x.new_zeros(x.shape[0], out_features)
     for e, start, end in _groups(offsets):
         if end == start:
             continue
         w_in, w_out = expert_weights(e)
         h = x[start:end] @ w_in.t()
+        if first is not None:
+            h = first(h)
         if b_in is not None:
             h = h + b_in[e]
         a = expert_activation(activation, gated, h, interleaved, alpha, limit)

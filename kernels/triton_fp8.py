@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_moe import (ACTIVATION_IDS, _bias_activation, _expert_tile, _num_sms, _tile_at, _tile_table,
-                         _tma_scratch, _tma_weight_desc)
+from .triton_moe import (ACTIVATION_IDS, _activation, _bias_activation, _expert_tile, _num_sms, _row_expert,
+                         _tile_at, _tile_table, _tma_scratch, _tma_weight_desc)
 
 FP8_MAX = 448.0
 GROUP = 128
@@ -37,28 +37,57 @@ def _fp8_grid(x, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_rows, width: tl.constexpr, BLOCK_M: tl.constexpr,
-                          GROUP: tl.constexpr, EMULATE: tl.constexpr):
+def _quantize_rows_kernel(h_ptr, bias_ptr, offsets_ptr, q_ptr, s_ptr, n_rows, num_experts, width: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                          GROUP: tl.constexpr, E_PAD: tl.constexpr, EMULATE: tl.constexpr):
+    """Per row per GROUP channels: q = out / scale in e4m3 and scale = amax / 448, of out = h (ACT -1, ungated) or
+    act(h + bias of the row's expert), gated act(gate) * up (h: [rows, gate | up])."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     mask = (rows < n_rows)[:, None] & (cols < width)[None, :]
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+    in_width: tl.constexpr = 2 * width if GATED else width
+    h_row = h_ptr + rows[:, None].to(tl.int64) * in_width
+    x = tl.load(h_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        up = tl.load(h_row + width + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b_row = bias_ptr + _row_expert(rows, offsets_ptr, num_experts, E_PAD)[:, None].to(tl.int64) * in_width
+        x += tl.load(b_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GATED:
+            up += tl.load(b_row + width + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = x
+    if ACT >= 0:
+        out = _activation(x, ACT)
+    if GATED:
+        out = out * up
+    scale = tl.maximum(tl.max(tl.abs(out), axis=1), 1e-12) / 448.0
     tl.store(q_ptr + rows[:, None].to(tl.int64) * width + cols[None, :],
-             _fp8_grid(x / scale[:, None], EMULATE).to(q_ptr.dtype.element_ty), mask=mask)
+             _fp8_grid(out / scale[:, None], EMULATE).to(q_ptr.dtype.element_ty), mask=mask)
     groups: tl.constexpr = (width + GROUP - 1) // GROUP
     tl.store(s_ptr + rows.to(tl.int64) * groups + tl.program_id(1), scale, mask=rows < n_rows)
 
 
 def quantize_rows(x: torch.Tensor, group: int = GROUP, block_m: int = 32):
     """Per token per `group` channels: (x_fp8, scale_inv [N, ceil(H/group)] float32)."""
-    x = x.contiguous()
-    n_rows, width = x.shape
-    q = torch.empty(n_rows, width, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(n_rows, triton.cdiv(width, group), dtype=torch.float32, device=x.device)
+    return activation_quantize(x, None, None, None, False, group, block_m)
+
+
+def activation_quantize(h: torch.Tensor, offsets, bias, activation: str | None, gated: bool, group: int = GROUP,
+                        block_m: int = 32):
+    """act(h + b_in[expert of the row]) (gated: act(gate) * up) quantised per row per `group` channels:
+    (q [N, width] e4m3, scale_inv [N, width/group]), the input of a block-scaled second projection.
+    h: the first projection's output [N, (2 x) width], rows in expert order (offsets: cumulative group ends)."""
+    n_rows, in_width = h.shape
+    width = in_width // 2 if gated else in_width
+    q = torch.empty(n_rows, width, dtype=torch.float8_e4m3fn, device=h.device)
+    s = torch.empty(n_rows, triton.cdiv(width, group), dtype=torch.float32, device=h.device)
+    num_experts = offsets.shape[0] if bias is not None else 1
     if n_rows:
         _quantize_rows_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(width, group))](
-            x, q, s, n_rows, width=width, BLOCK_M=block_m, GROUP=group, EMULATE=_INTERPRET)
+            h.contiguous(), bias if bias is not None else h, offsets if bias is not None else h, q, s, n_rows,
+            num_experts, width=width, HAS_BIAS=bias is not None, GATED=gated,
+            ACT=ACTIVATION_IDS[activation] if activation else -1, BLOCK_M=block_m, GROUP=group,
+            E_PAD=triton.next_power_of_2(num_experts), EMULATE=_INTERPRET)
     return q, s
 
 

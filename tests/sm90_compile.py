@@ -48,8 +48,11 @@ def cases():
     yield (triton_moe._combine_backward_kernel, "k=2",
            {"grad_out_ptr": BF16, "y_ptr": BF16, "row_of_ptr": "*i64", "w_ptr": "*fp32", "grad_rows_ptr": BF16,
             "grad_w_ptr": "*fp32"}, dict(hidden=4096, TOP_K=2, BLOCK_T=16, BLOCK_H=256), {})
-    yield (triton_fp8._quantize_rows_kernel, "1x128", {"x_ptr": BF16, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-           dict(width=4096, BLOCK_M=32, GROUP=128, EMULATE=False), {})
+    quantize = {"h_ptr": BF16, "bias_ptr": BF16, "offsets_ptr": "*i32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    for gated, act, bias, label in ((False, -1, False, "1x128"), (True, 3, True, "swiglu + bias, 1x128")):
+        yield (triton_fp8._quantize_rows_kernel, label, quantize,
+               dict(width=4096, HAS_BIAS=bias, GATED=gated, ACT=act, BLOCK_M=32, GROUP=128, E_PAD=8, EMULATE=False),
+               {})
     fp8 = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
            "bias_ptr": BF16, "offsets_ptr": "*i32", "out_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32"}
     yield (triton_fp8._grouped_fp8_kernel, "first projection", fp8,

@@ -141,11 +141,16 @@ def test_block_training_step_on_gpu_matches_reference_kernels(monkeypatch):
         assert _rel(grads[n], p.grad) <= 3e-2, n
 
 
-@pytest.mark.parametrize("gemm", ["block", "rowwise"])
+# block batches on sm_90 run CUTLASS or the Gluon kernel, decode (20 tokens) the Triton block kernel
+FP8_PATHS = [("block", "cutlass"), ("block", "gluon"), ("rowwise", "auto")]
+
+
+@pytest.mark.parametrize("gemm,block_kernel", FP8_PATHS)
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
-@pytest.mark.parametrize("tokens", [700, 20])  # block: the Gluon kernel on sm_90 (batch), the Triton one (decode)
-def test_fp8_kernels_match_reference(gated, bias, gemm, tokens, monkeypatch):
+@pytest.mark.parametrize("tokens", [700, 20])
+def test_fp8_kernels_match_reference(gated, bias, gemm, block_kernel, tokens, monkeypatch):
     monkeypatch.setattr(C, "FP8_GEMM", gemm)
+    monkeypatch.setattr(C, "FP8_BLOCK_KERNEL", block_kernel)
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     e, k, h, i = 4, 2, 256, 384
     w_in, b_in, w_out, b_out = _weights(e, h, i, gated, bias, gen)
@@ -164,10 +169,12 @@ def test_fp8_kernels_match_reference(gated, bias, gemm, tokens, monkeypatch):
     got = C.experts_fp8(*args)
     want = R.experts_fp8(*args)
     kept = int(offsets[-1])
-    print("fp8 kernel vs reference", gemm, _rel(got[:kept], want[:kept]))
+    print("fp8 kernel vs reference", gemm, block_kernel, _rel(got[:kept], want[:kept]))
+    assert not (block_kernel == "cutlass" and C._CUTLASS_UNUSABLE), C._CUTLASS_UNUSABLE  # it ran, no fallback
     # block computes the reference's math (the Gluon kernel with one more rounding of the first projection's output,
     # test_gluon_fp8_matches_reference_math); rowwise rounds weights and activations once more (its exact math is
     # checked against a float32 reference in tests/test_triton_fp8.py)
+    # (CUTLASS: the same math as block, the first projection's output rounded to bf16 before the activation)
     assert _rel(got[:kept], want[:kept]) <= (8e-2 if gemm == "rowwise" else 2e-2)
     exact = R.experts(rows.float(), offsets, w_in, b_in, w_out, b_out, "silu" if gated else "gelu", gated)
     # e4m3's own error on these random weights: the float32 reference of experts_fp8 is 6.4e-2 (gated) off too
@@ -208,13 +215,42 @@ def test_gluon_fp8_matches_reference_math(counts, hidden, width, activation, gat
     assert _rel(got[:n], want[:n]) <= 2e-2
 
 
-@pytest.mark.parametrize("gemm", ["block", "rowwise"])
-def test_fp8_block_dispatches_fp8_rows_on_gpu(gemm, monkeypatch):
+@pytest.mark.skipif(not _hopper(), reason="sm_90 only")
+@pytest.mark.parametrize("counts,hidden,width", [
+    ([0, 37, 300, 1], 256, 384),  # an empty expert, odd group sizes
+    ([0, 0, 513, 0], 384, 256),  # every row to one expert
+    ([200], 128, 128),  # one expert, one K step
+    ([64, 0, 129, 5, 0, 0, 700, 3], 512, 640)])
+def test_cutlass_fp8_grouped_gemm_matches_reference_math(counts, hidden, width):
+    """kernels/cutlass_fp8.py: one block-scaled grouped GEMM against the dequantised float32 product, groups of any
+    size, 10 rows past offsets[-1] (left unspecified)."""
+    from moecompile.kernels import cutlass_fp8
+    from moecompile.kernels import fp8 as F
+
+    gen = torch.Generator(device=DEVICE).manual_seed(len(counts) + hidden)
+    e = len(counts)
+    w = torch.randn(e, width, hidden, generator=gen, device=DEVICE) * hidden ** -0.5
+    w_q, w_s = F.quantize_blocks(w)
+    offsets = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
+    n = int(offsets[-1])
+    xq, xs = C.quantize_fp8(torch.randn(n + 10, hidden, generator=gen, device=DEVICE).bfloat16(), 128)
+    got = cutlass_fp8.grouped_gemm(xq, xs, offsets, w_q, cutlass_fp8.weight_scales(w_q, w_s))
+    x = F.dequantize_groups(xq, xs)
+    ends = offsets.tolist()
+    want = torch.cat([x[end - count:end] @ F.dequantize_blocks(w_q[e], w_s[e]).t()
+                      for e, (count, end) in enumerate(zip(counts, ends))])
+    assert got.shape == (n + 10, width) and got.dtype == torch.bfloat16
+    assert _rel(got[:n], want) <= 8e-3  # float32 accumulation; only the bf16 output rounding
+
+
+@pytest.mark.parametrize("gemm,block_kernel", FP8_PATHS)
+def test_fp8_block_dispatches_fp8_rows_on_gpu(gemm, block_kernel, monkeypatch):
     """An FP8 MoEBlock end to end on the GPU (tokens quantised before the dispatch, FP8 rows dispatched): close to
     the same block on the reference kernels, no host synchronisation."""
     from moecompile import fp8
 
     monkeypatch.setattr(C, "FP8_GEMM", gemm)
+    monkeypatch.setattr(C, "FP8_BLOCK_KERNEL", block_kernel)
     torch.manual_seed(0)
     block = MoEBlock(MoEConfig(hidden_size=256, expert_size=384, num_experts=8, top_k=2, activation="silu",
                                gated=True)).to(DEVICE, torch.bfloat16).eval()

@@ -156,6 +156,7 @@ def test_block_batches_fall_back_to_triton_when_gluon_does_not_build(monkeypatch
         return "triton block"
 
     monkeypatch.setattr(cuda, "FP8_GEMM", "block")
+    monkeypatch.setattr(cuda, "FP8_BLOCK_KERNEL", "gluon")
     monkeypatch.setattr(cuda, "_GLUON_UNUSABLE", [])
     monkeypatch.setattr(cuda, "_fp8_gemm_supported", lambda x: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -170,3 +171,56 @@ def test_block_batches_fall_back_to_triton_when_gluon_does_not_build(monkeypatch
     assert cuda.experts_fp8(*args) == "triton block" and calls == ["gluon", "triton"]
     assert len(cuda._GLUON_UNUSABLE) == 1 and "does not build with this Triton" in caplog.text
     assert cuda.experts_fp8(*args) == "triton block" and calls == ["gluon", "triton", "triton"]
+
+
+@pytest.mark.parametrize("activation,gated,bias", [("silu", True, False), ("gelu", False, True), ("relu", True, True)])
+def test_activation_quantize_matches_reference(activation, gated, bias):
+    """The pass between the two CUTLASS GEMMs: bias of each row's expert, activation, per row per 128 channels
+    quantised."""
+    gen = torch.Generator().manual_seed(1)
+    offsets = torch.tensor([9, 9, 49], dtype=torch.int32)  # an empty expert; 3 dropped rows at the end
+    width = 256
+    h = torch.randn(52, 2 * width if gated else width, generator=gen) * 3
+    b_in = torch.randn(3, h.shape[1], generator=gen) if bias else None
+    q, s = triton_fp8.activation_quantize(h, offsets, b_in, activation, gated)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (52, width) and s.shape == (52, 2)
+    kept = int(offsets[-1])
+    expert = _experts_of(offsets)
+    want = expert_activation(activation, gated, h[:kept] + b_in[expert] if bias else h[:kept])
+    want_q, want_s = fp8_math.quantize_groups(want)
+    torch.testing.assert_close(s[:kept], want_s, rtol=1e-5, atol=0)
+    # the same e4m3 codes but for values within an ulp of a rounding boundary (activations computed in another order)
+    assert (q[:kept].float() != want_q.float()).float().mean() < 1e-3
+    torch.testing.assert_close(_row_dequantize(q[:kept], s[:kept]), _row_dequantize(want_q, want_s),
+                               rtol=0.13, atol=0)  # and those one step (at most 2^-3 relative) apart
+
+
+def test_block_batches_try_cutlass_first_and_fall_back_once(monkeypatch, caplog):
+    """MOECOMPILE_FP8_BLOCK_KERNEL=auto as on an H200 (faked here): CUTLASS first; when its library cannot be built
+    (no nvcc, no headers), one warning and the Gluon kernel, and CUTLASS is not tried again."""
+    from moecompile.kernels import cuda, cutlass_fp8, gluon_fp8
+
+    calls = []
+
+    def unbuildable():
+        calls.append("cutlass")
+        raise cutlass_fp8.CutlassUnavailable("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+
+    monkeypatch.setattr(cuda, "FP8_GEMM", "block")
+    monkeypatch.setattr(cuda, "FP8_BLOCK_KERNEL", "auto")
+    monkeypatch.setattr(cuda, "_CUTLASS_UNUSABLE", [])
+    monkeypatch.setattr(cuda, "_GLUON_UNUSABLE", [])
+    monkeypatch.setattr(cuda, "_fp8_gemm_supported", lambda x: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(cutlass_fp8, "library", unbuildable)
+    monkeypatch.setattr(gluon_fp8, "experts_fp8", lambda *a, **k: calls.append("gluon") or "gluon")
+    e, h, f, n = 2, 128, 128, 256
+    w_in, w_in_s = _block_quantize(torch.randn(e, 2 * f, h))
+    w_out, w_out_s = _block_quantize(torch.randn(e, h, f))
+    xq, xs = fp8_math.quantize_groups(torch.randn(n, h))
+    args = (xq, xs, torch.tensor([100, n], dtype=torch.int32), w_in, w_in_s, None, w_out, w_out_s, None, "silu", True,
+            torch.bfloat16)
+    monkeypatch.setattr(cuda, "_converted_weights", lambda w, s, convert: w)  # the Gluon weight layout: not needed
+    assert cuda.experts_fp8(*args) == "gluon" and calls == ["cutlass", "gluon"]
+    assert len(cuda._CUTLASS_UNUSABLE) == 1 and "CUTLASS FP8 kernel is not available (nvcc not found" in caplog.text
+    assert cuda.experts_fp8(*args) == "gluon" and calls == ["cutlass", "gluon", "gluon"]
