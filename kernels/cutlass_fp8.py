@@ -13,6 +13,7 @@ import ctypes
 import functools
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import subprocess
@@ -86,6 +87,8 @@ def library() -> ctypes.CDLL:
     if not path.is_file():
         if prebuilt:
             raise CutlassUnavailable(f"MOECOMPILE_CUTLASS_LIB={prebuilt} does not exist")
+        logging.getLogger("moecompile").warning("building the CUTLASS FP8 kernel with nvcc (once, about a minute): %s",
+                                                path)
         build(path)
     try:
         lib = ctypes.CDLL(str(path))

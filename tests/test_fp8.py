@@ -584,19 +584,24 @@ def _bench(name: str):
     return module
 
 
-@pytest.mark.parametrize("scheme", [("block", "g", "g"), ("block>chan", "g>row", "g>row")])
-def test_scale_scheme_emulation_is_the_kernels_math(scheme):
-    """bench/fp8_scale_schemes.py's emulation of the block math equals experts_fp8's reference kernel, and of the
-    rowwise math the rowwise emulation above, on fresh random operands (an empty expert among them)."""
+@pytest.mark.parametrize("scheme", [("block", "g", "g"), ("block>chan", "g>row", "g>row"),
+                                    ("block", "g", "g", "bf16 out")])
+@pytest.mark.parametrize("bias", [False, True])
+def test_scale_scheme_emulation_is_the_kernels_math(scheme, bias):
+    """bench/fp8_scale_schemes.py's emulation of the block math equals experts_fp8's reference kernel, of the
+    rowwise math and of the CUTLASS path's the emulations above, on fresh random operands (an empty expert among
+    them)."""
     schemes = _bench("fp8_scale_schemes")
     torch.manual_seed(0)
     offsets = torch.tensor([40, 40, 97], dtype=torch.int32)
     x = torch.randn(100, 256) * torch.linspace(0.1, 3.0, 256)
     w_in, w_out = torch.randn(3, 512, 256) / 16, torch.randn(3, 256, 256) / 16
-    got = schemes.experts_kernel(*scheme)(x, offsets, w_in, None, w_out, None, "silu", True)
+    b_in, b_out = (torch.randn(3, 512), torch.randn(3, 256)) if bias else (None, None)
+    got = schemes.experts_kernel(*scheme)(x, offsets, w_in, b_in, w_out, b_out, "silu", True)
     (w_in_q, w_in_s), (w_out_q, w_out_s) = K.quantize_blocks(w_in), K.quantize_blocks(w_out)
-    kernel = R.experts_fp8 if scheme[0] == "block" else _rowwise_experts_fp8
-    want = kernel(*K.quantize_groups(x), offsets, w_in_q, w_in_s, None, w_out_q, w_out_s, None, "silu", True,
+    kernel = (_cutlass_experts_fp8 if len(scheme) > 3 else R.experts_fp8 if scheme[0] == "block"
+              else _rowwise_experts_fp8)
+    want = kernel(*K.quantize_groups(x), offsets, w_in_q, w_in_s, b_in, w_out_q, w_out_s, b_out, "silu", True,
                   torch.float32)
     torch.testing.assert_close(got[:97], want[:97], rtol=1e-5, atol=1e-5)
 
