@@ -144,8 +144,9 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, offsets: torch.Tensor, 
     needed = ctypes.c_size_t(0)
     lib.moecompile_fp8_blockwise_grouped(*shape, *pointers, None, 0, None, ctypes.byref(needed))
     workspace = torch.empty(needed.value, dtype=torch.uint8, device=a.device)
-    stream = torch.cuda.current_stream(a.device).cuda_stream
-    code = lib.moecompile_fp8_blockwise_grouped(*shape, *pointers, workspace.data_ptr(), needed.value, stream, None)
+    with torch.cuda.device(a.device):  # the library launches on the current device
+        code = lib.moecompile_fp8_blockwise_grouped(*shape, *pointers, workspace.data_ptr(), needed.value,
+                                                    torch.cuda.current_stream().cuda_stream, None)
     if code:
         raise RuntimeError(f"CUTLASS FP8 grouped GEMM: {ERRORS.get(code, code)} (rows {rows}, N {n}, K {k}, "
                            f"{experts} experts)")
