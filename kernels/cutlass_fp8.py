@@ -1,8 +1,8 @@
 """Block-scaled FP8 grouped GEMM from CUTLASS for Hopper (csrc/fp8_blockwise_grouped.cu).
 
 The same math as the Triton block kernel and the reference (the checkpoint's 128 x 128 weight scales, activations in
-1 x 128 groups, float32 promotion every 128 of K), on CUTLASS's warp-specialised sm90 mainloop. Needs nvcc (CUDA 12.8
-or newer) and the CUTLASS headers of the nvidia-cutlass package (`pip install 'moecompile[cutlass]'`): the library is
+1 x 128 groups, float32 promotion every 128 of K), on CUTLASS's warp-specialised sm90 mainloop. Needs nvcc (built and run
+with CUDA 13.0) and the CUTLASS headers of the nvidia-cutlass package (`pip install 'moecompile[cutlass]'`): the library is
 built on first use (about a minute), cached under $MOECOMPILE_CACHE (default ~/.cache/moecompile) by a hash of the
 source and the compiler, and loaded with ctypes: nothing depends on the PyTorch C++ ABI. $MOECOMPILE_CUTLASS_LIB
 names a prebuilt library instead.
