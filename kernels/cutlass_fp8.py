@@ -1,11 +1,11 @@
 """Block-scaled FP8 grouped GEMM from CUTLASS for Hopper (csrc/fp8_blockwise_grouped.cu).
 
 The same math as the Triton block kernel and the reference (the checkpoint's 128 x 128 weight scales, activations in
-1 x 128 groups, float32 promotion every 128 of K), on CUTLASS's warp-specialised sm90 mainloop. Needs nvcc (built and run
-with CUDA 13.0) and the CUTLASS headers of the nvidia-cutlass package (`pip install 'moecompile[cutlass]'`): the library is
-built on first use (about a minute), cached under $MOECOMPILE_CACHE (default ~/.cache/moecompile) by a hash of the
-source and the compiler, and loaded with ctypes: nothing depends on the PyTorch C++ ABI. $MOECOMPILE_CUTLASS_LIB
-names a prebuilt library instead.
+1 x 128 groups, float32 promotion every 128 of K), on CUTLASS's warp-specialised sm90 mainloop. Needs nvcc (built
+and run with CUDA 13.0) and the CUTLASS headers of the nvidia-cutlass package (`pip install 'moecompile[cutlass]'`):
+the library is built on first use (about a minute), cached under $MOECOMPILE_CACHE (default ~/.cache/moecompile) by
+a hash of the source and the compiler, and loaded with ctypes: nothing depends on the PyTorch C++ ABI.
+$MOECOMPILE_CUTLASS_LIB names a prebuilt library instead.
 """
 from __future__ import annotations
 
@@ -96,8 +96,9 @@ def library() -> ctypes.CDLL:
         raise CutlassUnavailable(f"cannot load {path}: {error}") from None
     lib.moecompile_fp8_blockwise_grouped.restype = ctypes.c_int
     # experts, n, k, rows, sm_count; a, sa, w, sw, offsets, out, workspace; workspace bytes, stream, needed
+    size_out = ctypes.POINTER(ctypes.c_size_t)
     lib.moecompile_fp8_blockwise_grouped.argtypes = ([ctypes.c_int] * 5 + [ctypes.c_void_p] * 7
-                                                     + [ctypes.c_size_t, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)])
+                                                     + [ctypes.c_size_t, ctypes.c_void_p, size_out])
     return lib
 
 
