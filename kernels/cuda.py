@@ -110,9 +110,13 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
         return triton_moe.grouped_ffn_in(a, offsets, w_out, b_out, None, False, variant=second)
     y = _grouped(a, w_out.transpose(-2, -1), offsets)
     if b_out is not None:
-        rows = _row_expert(offsets, y.shape[0]).clamp_max(w_out.shape[0] - 1)
-        y += b_out.index_select(0, rows)
+        _add_expert_bias(y, offsets, b_out)
     return y
+
+
+def _add_expert_bias(y: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor) -> None:
+    """y[r] += bias[expert of row r], in place (rows past the groups get the last expert's: unspecified anyway)."""
+    y += bias.index_select(0, _row_expert(offsets, y.shape[0]).clamp_max(bias.shape[0] - 1))
 
 
 def _segment_sum(values: torch.Tensor, offsets: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -235,8 +239,7 @@ def _experts_fp8_cutlass(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in
     y = cutlass_fp8.grouped_gemm(a, a_scale, offsets, w_out,
                                  _converted_weights(w_out, w_out_scale_inv, cutlass_fp8.weight_scales))
     if b_out is not None:
-        rows = _row_expert(offsets, y.shape[0]).clamp_max(w_out.shape[0] - 1)
-        y += b_out.to(y.dtype).index_select(0, rows)
+        _add_expert_bias(y, offsets, b_out.to(y.dtype))
     return y.to(out_dtype)
 
 
