@@ -95,23 +95,40 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
     return (weights, ids, *dispatch(hidden, ids, router_weight.shape[0]))
 
 
-def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
-    if not grouped_mm_supported(x, w_in, w_out):
-        return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
+def _projection_kernels(x, w_in, w_out) -> tuple[str, str]:
     first, second = _variants(x.shape[0], x.shape[1], w_out.shape[2], w_out.shape[0])
     if not triton_moe.tma_supported(x, w_in):  # unaligned rows: the pointer-load kernel
         first, second = ("triton" if v.startswith("triton") else v for v in (first, second))
-    if first.startswith("triton"):
-        a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, variant=first)
-    else:
-        h = _grouped(x, w_in.transpose(-2, -1), offsets)
-        a = triton_moe.expert_activation(h, offsets, b_in, activation, gated)
-    if second.startswith("triton"):
-        return triton_moe.grouped_ffn_in(a, offsets, w_out, b_out, None, False, variant=second)
+    return first, second
+
+
+def _second_projection(a, offsets, w_out, b_out, kernel: str):
+    if kernel.startswith("triton"):
+        return triton_moe.grouped_ffn_in(a, offsets, w_out, b_out, None, False, variant=kernel)
     y = _grouped(a, w_out.transpose(-2, -1), offsets)
     if b_out is not None:
         _add_expert_bias(y, offsets, b_out)
     return y
+
+
+def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
+    if not grouped_mm_supported(x, w_in, w_out):
+        return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
+    first, second = _projection_kernels(x, w_in, w_out)
+    if not first.startswith("triton"):  # torch._grouped_mm, then the activation pass: experts_train's path
+        return experts_train(x, offsets, w_in, b_in, w_out, b_out, activation, gated)[0]
+    a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, variant=first)
+    return _second_projection(a, offsets, w_out, b_out, second)
+
+
+def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
+    """(experts(...), h): the first projection on torch._grouped_mm, its output h kept for experts_backward; the
+    activation in one Triton pass; the second projection as experts() runs it."""
+    if not grouped_mm_supported(x, w_in, w_out):
+        return reference.experts_train(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
+    h = _grouped(x, w_in.transpose(-2, -1), offsets)
+    a = triton_moe.expert_activation(h, offsets, b_in, activation, gated)
+    return _second_projection(a, offsets, w_out, b_out, _projection_kernels(x, w_in, w_out)[1]), h
 
 
 def _add_expert_bias(y: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor) -> None:
@@ -125,11 +142,12 @@ def _segment_sum(values: torch.Tensor, offsets: torch.Tensor, num_experts: int) 
     return sums.index_add_(0, rows, values.float())[:num_experts].to(values.dtype)
 
 
-def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gated: bool, has_b_out: bool):
+def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gated: bool, has_b_out: bool, h=None):
     if not grouped_mm_supported(x, w_in, w_out):
-        return reference.experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out)
+        return reference.experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, h=h)
     num_experts, n_rows = w_in.shape[0], x.shape[0]
-    h = _grouped(x, w_in.transpose(-2, -1), offsets)  # recomputed rather than kept from the forward
+    if h is None:  # experts() kept nothing: recompute the first projection
+        h = _grouped(x, w_in.transpose(-2, -1), offsets)
     grad_a = _grouped(grad_y, w_out, offsets)
     a, grad_h = triton_moe.expert_activation_backward(h, offsets, b_in, grad_a, activation, gated)
     grad_w_out = _grouped(grad_y.t(), a, offsets)

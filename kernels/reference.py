@@ -175,16 +175,19 @@ def _groups(offsets: torch.Tensor):
 
 
 def _grouped_ffn(x, offsets, expert_weights, b_in, b_out, out_features: int, activation: str, gated: bool,
-                 interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0, between=None, first=None):
+                 interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0, between=None, first=None,
+                 keep_h=None):
     """Rows of group e go through expert e: act(x W_in[e]^T + b_in[e]) W_out[e]^T + b_out[e], with
     (W_in[e], W_out[e]) = expert_weights(e), `first` (if given) applied to x W_in[e]^T before the bias and
-    `between` to the activation (how a kernel rounds them)."""
+    `between` to the activation (how a kernel rounds them). keep_h (if given) receives each group's x W_in[e]^T."""
     y = x.new_zeros(x.shape[0], out_features)
     for e, start, end in _groups(offsets):
         if end == start:
             continue
         w_in, w_out = expert_weights(e)
         h = x[start:end] @ w_in.t()
+        if keep_h is not None:
+            keep_h[start:end] = h
         if first is not None:
             h = first(h)
         if b_in is not None:
@@ -204,6 +207,16 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool, 
     parameter), never copied here."""
     return _grouped_ffn(x, offsets, lambda e: (w_in[e], w_out[e]), b_in, b_out, w_out.shape[1], activation, gated,
                         interleaved, alpha, limit)
+
+
+def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool, interleaved: bool = False,
+                  alpha: float = 1.702, limit: float = 7.0):
+    """(experts(...), h): h = x W_in[e]^T per group, before the bias (zero on rows past the groups), which
+    experts_backward then takes instead of recomputing the first projection."""
+    h = x.new_zeros(x.shape[0], w_in.shape[1])
+    y = _grouped_ffn(x, offsets, lambda e: (w_in[e], w_out[e]), b_in, b_out, w_out.shape[1], activation, gated,
+                     interleaved, alpha, limit, keep_h=h)
+    return y, h
 
 
 def quantize_fp8(x, group: int):
@@ -227,8 +240,9 @@ def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, 
 
 
 def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gated: bool, has_b_out: bool,
-                     interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0):
-    """Returns (grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out); bias grads are None without a bias."""
+                     interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0, h=None):
+    """Returns (grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out); bias grads are None without a bias.
+    h: experts_train's first projection (before the bias), read instead of recomputed when given."""
     glu = (interleaved, alpha, limit)
     grad_x = torch.zeros_like(x)
     grad_w_in, grad_w_out = torch.zeros_like(w_in), torch.zeros_like(w_out)
@@ -238,14 +252,14 @@ def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gat
         if end == start:
             continue
         xe, ge = x[start:end], grad_y[start:end]
-        h = xe @ w_in[e].t()
+        he = xe @ w_in[e].t() if h is None else h[start:end]
         if b_in is not None:
-            h = h + b_in[e]
-        a = expert_activation(activation, gated, h, *glu)
+            he = he + b_in[e]
+        a = expert_activation(activation, gated, he, *glu)
         grad_w_out[e] = ge.t() @ a
         if grad_b_out is not None:
             grad_b_out[e] = ge.sum(0)
-        grad_h = expert_activation_backward(activation, gated, h, ge @ w_out[e], *glu)
+        grad_h = expert_activation_backward(activation, gated, he, ge @ w_out[e], *glu)
         grad_w_in[e] = grad_h.t() @ xe
         if grad_b_in is not None:
             grad_b_in[e] = grad_h.sum(0)

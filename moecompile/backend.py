@@ -100,7 +100,7 @@ def moecompile_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
         raise MoECompileError(f"option {'fp8' if opts['fp8'] else 'expert_parallel'!r} is inference-only: call the "
                               "compiled model under torch.no_grad() (train expert-parallel with "
                               "moecompile.distribute(model))")
-    gm, ctx = run_pipeline(gm, opts, pipeline="compile", example_inputs=list(example_inputs))
+    gm, ctx = run_pipeline(gm, opts, pipeline="compile", example_inputs=list(example_inputs), training=training)
     _records.append(CompileRecord(gm, ctx.reports, ctx.checked))
     for name, report in ctx.reports:
         log.info("%s: %s", name, report)

@@ -37,7 +37,7 @@ class MoEExperts(nn.Module):
         nn.init.normal_(self.w_out, std=0.02)
 
     def forward(self, rows, offsets, activation: str, gated: bool):
-        return ops.experts(rows, offsets, self.w_in, self.b_in, self.w_out, self.b_out, activation, gated)
+        return ops.expert_ffn(rows, offsets, self.w_in, self.b_in, self.w_out, self.b_out, activation, gated)
 
     def routed(self, x, expert_ids, activation: str, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Dispatch tokens x [T, H] to their experts and run them: (output rows in expert order, that order)."""

@@ -160,15 +160,15 @@ def _glu_args(activation: str, interleaved: bool, alpha: float, limit: float) ->
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_glu_args(kernel) -> bool:
-    return "interleaved" in inspect.signature(kernel).parameters
+def _takes(kernel, parameter: str) -> bool:
+    return parameter in inspect.signature(kernel).parameters
 
 
 def _experts_kernel(op: str, x: Tensor, glu: tuple):
     """op's kernel for x's device; the reference kernel when GPT-OSS's arguments are needed and that kernel does
     not take them."""
     kernel = _kernel(op, x)
-    return kernel if not glu or _takes_glu_args(kernel) else reference_kernel(op)
+    return kernel if not glu or _takes(kernel, "interleaved") else reference_kernel(op)
 
 
 @torch.library.custom_op("moecompile::experts", mutates_args=())
@@ -184,40 +184,78 @@ def _(x, offsets, w_in, b_in, w_out, b_out, activation, gated, interleaved=False
     return x.new_empty(x.shape[0], w_out.shape[1])
 
 
+@torch.library.custom_op("moecompile::experts_train", mutates_args=())
+def experts_train(x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor], w_out: Tensor,
+                  b_out: Optional[Tensor], activation: str, gated: bool, interleaved: bool = False,
+                  alpha: float = 1.702, limit: float = 7.0) -> tuple[Tensor, Tensor]:
+    """experts() for training: (y, h) with h = x W_in^T before the bias, kept for the backward, which then skips
+    recomputing the first projection (a quarter of its GEMM FLOPs) for N x F more activation memory. h is not
+    differentiable; rows past the groups are unspecified."""
+    glu = _glu_args(activation, interleaved, alpha, limit)
+    return _experts_kernel("experts_train", x, glu)(x, offsets, w_in, b_in, w_out, b_out, activation, gated, *glu)
+
+
+@experts_train.register_fake
+def _(x, offsets, w_in, b_in, w_out, b_out, activation, gated, interleaved=False, alpha=1.702, limit=7.0):
+    return x.new_empty(x.shape[0], w_out.shape[1]), x.new_empty(x.shape[0], w_in.shape[1])
+
+
 @torch.library.custom_op("moecompile::experts_backward", mutates_args=())
 def experts_backward(grad_y: Tensor, x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor],
                      w_out: Tensor, activation: str, gated: bool, has_b_out: bool, interleaved: bool = False,
-                     alpha: float = 1.702, limit: float = 7.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     alpha: float = 1.702, limit: float = 7.0,
+                     h: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out); a missing bias's grad is an empty tensor
-    (custom ops cannot return None)."""
+    (custom ops cannot return None). h: experts_train's first projection (else recomputed; so too by a kernel
+    that takes no h)."""
     glu = _glu_args(activation, interleaved, alpha, limit)
-    grads = _experts_kernel("experts_backward", x, glu)(grad_y, x, offsets, w_in, b_in, w_out, activation, gated,
-                                                        has_b_out, *glu)
+    kernel = _experts_kernel("experts_backward", x, glu)
+    kept = {"h": h} if h is not None and _takes(kernel, "h") else {}
+    grads = kernel(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, *glu, **kept)
     return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 
 @experts_backward.register_fake
 def _(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, interleaved=False, alpha=1.702,
-      limit=7.0):
+      limit=7.0, h=None):
     return (torch.empty_like(x), torch.empty_like(w_in), x.new_empty(0) if b_in is None else torch.empty_like(b_in),
             torch.empty_like(w_out), w_out.new_empty(w_out.shape[0], w_out.shape[1]) if has_b_out else x.new_empty(0))
 
 
 def _experts_setup(ctx, inputs, output):
     x, offsets, w_in, b_in, w_out, b_out, activation, gated, *glu = inputs
-    ctx.save_for_backward(x, offsets, w_in, b_in, w_out)
+    h = None
+    if isinstance(output, tuple):  # experts_train: (y, h)
+        h = output[1]
+        ctx.mark_non_differentiable(h)
+    ctx.save_for_backward(x, offsets, w_in, b_in, w_out, h)
     ctx.activation, ctx.gated, ctx.has_b_out, ctx.glu = activation, gated, b_out is not None, glu
 
 
-def _experts_backward(ctx, grad_y):
-    x, offsets, w_in, b_in, w_out = ctx.saved_tensors
+def _experts_backward(ctx, grad_y, grad_h=None):
+    x, offsets, w_in, b_in, w_out, h = ctx.saved_tensors
     gx, gw_in, gb_in, gw_out, gb_out = experts_backward(grad_y.contiguous(), x, offsets, w_in, b_in, w_out,
-                                                        ctx.activation, ctx.gated, ctx.has_b_out, *ctx.glu)
+                                                        ctx.activation, ctx.gated, ctx.has_b_out, *ctx.glu, h=h)
     return (gx, None, gw_in, gb_in if b_in is not None else None, gw_out, gb_out if ctx.has_b_out else None,
             None, None, None, None, None)
 
 
 experts.register_autograd(_experts_backward, setup_context=_experts_setup)
+experts_train.register_autograd(_experts_backward, setup_context=_experts_setup)
+
+
+def expert_ffn(x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor], w_out: Tensor,
+               b_out: Optional[Tensor], activation: str, gated: bool, interleaved: bool = False, alpha: float = 1.702,
+               limit: float = 7.0) -> Tensor:
+    """The experts' output: experts(), or in eager training (autograd will run the backward) experts_train(), whose
+    kept first projection costs N x F activations, as autograd over plain linears would (activation checkpointing
+    gives them back). Captured graphs (export, Dynamo) always get experts(): the node the passes rewrite. What the
+    MoE modules call."""
+    args = (x, offsets, w_in, b_in, w_out, b_out, activation, gated, interleaved, alpha, limit)
+    needs_grad = any(t is not None and t.requires_grad for t in (x, w_in, b_in, w_out, b_out))
+    if torch.is_grad_enabled() and needs_grad and not torch.compiler.is_compiling():
+        return experts_train(*args)[0]
+    return experts(*args)
 
 
 # ---- combine: rows in expert order [N, H] + weights [T, k] -> tokens [T, H]
@@ -405,6 +443,7 @@ def _register_autocast(name: str, cast: tuple[int, ...]):
 
 
 _register_autocast("experts", cast=(0, 2, 3, 4, 5))  # x, w_in, b_in, w_out, b_out
+_register_autocast("experts_train", cast=(0, 2, 3, 4, 5))
 _register_autocast("quantize_fp8", cast=())
 _register_autocast("experts_fp8", cast=())
 

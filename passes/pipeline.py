@@ -20,6 +20,7 @@ from .find_ffn import find_ffn
 from .fuse_route_dispatch import fuse_route_dispatch
 from .insert_all_to_all import insert_all_to_all
 from .insert_fp8 import insert_fp8
+from .keep_first_projection import keep_first_projection
 from .moeize import moeize
 from .nodes import value
 from .recognise_moe import recognise_moe
@@ -29,8 +30,10 @@ PIPELINES = {
     # dense -> MoE on graphs captured by torch.export (moecompile.moeize's graph view)
     # (here and below) insert_fp8 and insert_all_to_all run only when options["fp8"] / options["expert_parallel"] ask
     "convert": [find_ffn, moeize, insert_fp8, insert_all_to_all],
-    # Dynamo graphs in the torch.compile backend: existing MoE blocks -> moecompile ops, then their optimisation.
-    "compile": [recognise_moe, set_capacity, fuse_route_dispatch, insert_fp8, insert_all_to_all],
+    # Dynamo graphs in the torch.compile backend: existing MoE blocks -> moecompile ops, then their optimisation
+    # (keep_first_projection only in training graphs).
+    "compile": [recognise_moe, set_capacity, fuse_route_dispatch, insert_fp8, insert_all_to_all,
+                keep_first_projection],
 }
 PIPELINE = PIPELINES["convert"]
 
@@ -52,6 +55,7 @@ class PassContext:
     checked: str = "lint"  # "fake" when every pass was also fake-tensor propagated
     pipeline: str = "convert"  # which of PIPELINES runs (passes may emit different forms for each)
     example_inputs: list | None = None  # the placeholders' real values, when the caller has them (the backend)
+    training: bool = False  # the graph will be differentiated (the backend: grad mode on, an input needing grad)
 
 
 def output_signature(gm: fx.GraphModule) -> list | None:
@@ -101,8 +105,9 @@ def _disabled(p, options: dict) -> str | None:
 
 
 def run_pipeline(gm: fx.GraphModule, options: dict | None = None, passes=None, pipeline: str = "convert",
-                 example_inputs: list | None = None) -> tuple[fx.GraphModule, PassContext]:
-    ctx = PassContext(options=dict(options or {}), pipeline=pipeline, example_inputs=example_inputs)
+                 example_inputs: list | None = None, training: bool = False) -> tuple[fx.GraphModule, PassContext]:
+    ctx = PassContext(options=dict(options or {}), pipeline=pipeline, example_inputs=example_inputs,
+                      training=training)
     verbose = os.environ.get("MOECOMPILE_PRINT_GRAPH", "") not in ("", "0") or bool(ctx.options.get("print_graph"))
     try:
         expected = output_signature(gm)

@@ -52,7 +52,7 @@ def registered_kernels() -> dict[tuple[str, str], Callable]:
     return dict(_KERNELS)
 
 
-for _op in ("route", "route_backward", "dispatch", "dispatch_backward", "experts", "experts_backward",
-            "combine", "combine_backward", "route_grouped", "route_grouped_backward", "route_dispatch",
-            "route_dispatch_backward", "quantize_fp8", "experts_fp8"):
+for _op in ("route", "route_backward", "dispatch", "dispatch_backward", "experts", "experts_train",
+            "experts_backward", "combine", "combine_backward", "route_grouped", "route_grouped_backward",
+            "route_dispatch", "route_dispatch_backward", "quantize_fp8", "experts_fp8"):
     register_kernel(_op, REFERENCE, getattr(reference, _op))

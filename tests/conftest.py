@@ -134,3 +134,22 @@ def qwen2_model():
 @pytest.fixture
 def mistral_model():
     return make_tiny_model("mistral")
+
+
+class MoEOpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """With it active, `names` collects the moecompile ops dispatched (e.g. "moecompile::experts_train")."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "moecompile":
+            self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def moe_op_log():
+    """Factory fixture: `with moe_op_log() as log: ...` then log.names."""
+    return MoEOpLog

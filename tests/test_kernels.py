@@ -567,9 +567,11 @@ def test_dispatch_backward_matches_autograd(ids, experts):
 @pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("bias_in,bias_out", BIAS_COMBOS)
-def test_experts_backward_matches_autograd(act, gated, bias_in, bias_out):
+@pytest.mark.parametrize("counts,keep_h", [([2, 0, 3, 1], False), ([2, 0, 3, 1], True), ([0, 0, 6, 0], True)])
+def test_experts_backward_matches_autograd(act, gated, bias_in, bias_out, counts, keep_h):
+    """keep_h: experts_train's h (its output equal to experts') goes to the backward instead of a recomputation."""
     g = gen(110)
-    hidden, inter, counts, dropped = 5, 4, [2, 0, 3, 1], 2
+    hidden, inter, dropped = 5, 4, 2
     w_in, b_in, w_out, b_out = expert_params(g, 4, hidden, inter, gated, bias_in, bias_out, requires_grad=True)
     x = randn(g, sum(counts) + dropped, hidden).requires_grad_()
     offsets = offsets_from_counts(counts)
@@ -581,9 +583,17 @@ def test_experts_backward_matches_autograd(act, gated, bias_in, bias_out):
     grad_y = randn(g, *y.shape)
     params = [p for p in (x, w_in, b_in, w_out, b_out) if p is not None]
     expected = dict(zip([id(p) for p in params], torch.autograd.grad(y, params, grad_y)))
+    detached = [None if p is None else p.detach() for p in (x, w_in, b_in, w_out, b_out)]
+    h = None
+    if keep_h:
+        y_train, h = R.experts_train(detached[0], offsets, *detached[1:], act, gated)
+        torch.testing.assert_close(y_train, y.detach(), atol=1e-5, rtol=1e-4)
+        first = torch.cat([x[a:b].detach() @ w_in[e].detach().t() for e, (a, b) in
+                           enumerate(zip([0, *offsets[:-1].tolist()], offsets.tolist()))])
+        torch.testing.assert_close(h[:sum(counts)], first, atol=1e-5, rtol=1e-4)
+        assert torch.all(h[sum(counts):] == 0)
     gx, gw_in, gb_in, gw_out, gb_out = R.experts_backward(
-        grad_y, x.detach(), offsets, w_in.detach(), None if b_in is None else b_in.detach(), w_out.detach(),
-        act, gated, bias_out)
+        grad_y, detached[0], offsets, detached[1], detached[2], detached[3], act, gated, bias_out, h=h)
     torch.testing.assert_close(gx, expected[id(x)], atol=1e-5, rtol=1e-4)
     assert torch.all(gx[sum(counts):] == 0)
     torch.testing.assert_close(gw_in, expected[id(w_in)], atol=1e-5, rtol=1e-4)

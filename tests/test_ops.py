@@ -9,7 +9,7 @@ from moecompile.runtime import kernel_for, register_kernel, registered_kernels
 from moecompile.runtime import registry
 
 OPS = torch.ops.moecompile
-OP_NAMES = ("route", "route_backward", "dispatch", "dispatch_backward", "experts", "experts_backward",
+OP_NAMES = ("route", "route_backward", "dispatch", "dispatch_backward", "experts", "experts_train", "experts_backward",
             "combine", "combine_backward", "route_grouped", "route_grouped_backward", "route_dispatch",
             "route_dispatch_backward")
 
@@ -101,6 +101,44 @@ def test_opcheck_experts_backward(gated, bias_in, bias_out):
     grad_y = randn(d["g"], *d["y"].shape)
     torch.library.opcheck(OPS.experts_backward.default, (grad_y, d["rows"], d["offsets"], d["w_in"], d["b_in"],
                                                          d["w_out"], "gelu", gated, bias_out))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("bias_in,bias_out", [(True, True), (False, False)])
+def test_opcheck_experts_train(gated, bias_in, bias_out):
+    d = setup_moe(56, gated=gated, bias_in=bias_in, bias_out=bias_out, requires_grad=True)
+    torch.library.opcheck(OPS.experts_train.default, (d["rows"], d["offsets"], d["w_in"], d["b_in"], d["w_out"],
+                                                      d["b_out"], "silu", gated))
+
+
+def test_opcheck_experts_backward_with_kept_h():
+    d = setup_moe(57, gated=True)
+    _, h = OPS.experts_train(d["rows"], d["offsets"], d["w_in"], d["b_in"], d["w_out"], d["b_out"], "gelu", True)
+    grad_y = randn(d["g"], *d["y"].shape)
+    torch.library.opcheck(OPS.experts_backward.default, (grad_y, d["rows"], d["offsets"], d["w_in"], d["b_in"],
+                                                         d["w_out"], "gelu", True, True), {"h": h})
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_expert_ffn_keeps_h_only_when_autograd_needs_it(moe_op_log, interleaved):
+    """expert_ffn: experts under no_grad / without parameters that need grad; experts_train otherwise, with the same
+    output and the same gradients (float64) as experts, whose backward recomputes h."""
+    d = setup_moe(58, gated=True, dtype=torch.float64, requires_grad=True)
+    args = (d["rows"], d["offsets"], d["w_in"], d["b_in"], d["w_out"], d["b_out"], "swiglu_oai", True, interleaved)
+    with torch.no_grad(), moe_op_log() as log:
+        moecompile.ops.expert_ffn(*args)
+    assert log.names == ["moecompile::experts"]
+    with moe_op_log() as log:
+        y = moecompile.ops.expert_ffn(*args)
+    assert log.names == ["moecompile::experts_train"]
+    params = [d[n] for n in ("rows", "w_in", "b_in", "w_out", "b_out")]
+    grad_y = randn(d["g"], *y.shape, dtype=torch.float64)
+    with moe_op_log() as log:
+        got = torch.autograd.grad(y, params, grad_y)
+    assert log.names == ["moecompile::experts_backward"]
+    want = torch.autograd.grad(OPS.experts(*args), params, grad_y)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
 
 def test_opcheck_combine():

@@ -1,5 +1,5 @@
 """The compile pipeline's passes on Dynamo graphs of tiny HF MoE models: recognise_moe, fuse_route_dispatch,
-set_capacity, each run alone on the graph Dynamo hands a backend and checked against the graph it rewrote."""
+set_capacity, keep_first_projection, each run alone on the graph Dynamo hands a backend and checked against the graph it rewrote."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +8,7 @@ from hf_moe import FAMILIES, MOE_LAYERS, dynamo_graphs, moe_nodes, tiny_moe, tok
 from moecompile import MoEBlock, MoEConfig, ops
 from moecompile.frontend import capture
 from moecompile.passes.fuse_route_dispatch import fuse_route_dispatch
+from moecompile.passes.keep_first_projection import keep_first_projection
 from moecompile.passes.pipeline import GraphCheckError, PassContext, PIPELINES, run_pipeline
 from moecompile.passes.recognise_moe import recognise_moe
 from moecompile.passes.set_capacity import set_capacity
@@ -105,7 +106,8 @@ def test_dense_model_has_nothing_to_recognise():
                                  "set_capacity": {"skipped": "off (option capacity_factor=None)"},
                                  "fuse_route_dispatch": {"fused": []},
                                  "insert_fp8": {"skipped": "off (option fp8=None)"},
-                                 "insert_all_to_all": {"skipped": "off (option expert_parallel=None)"}}
+                                 "insert_all_to_all": {"skipped": "off (option expert_parallel=None)"},
+                                 "keep_first_projection": {"skipped": "inference graph"}}
     assert len(gm.graph.nodes) == nodes
 
 
@@ -203,5 +205,32 @@ def test_graph_check_catches_a_pass_that_breaks_the_graph():
 
 def test_compile_pipeline_is_one_ordered_list():
     assert [p.__name__ for p in PIPELINES["compile"]] == ["recognise_moe", "set_capacity", "fuse_route_dispatch",
-                                                          "insert_fp8", "insert_all_to_all"]
+                                                          "insert_fp8", "insert_all_to_all", "keep_first_projection"]
     assert [p.__name__ for p in PIPELINES["convert"]] == ["find_ffn", "moeize", "insert_fp8", "insert_all_to_all"]
+
+
+@pytest.mark.parametrize("family", ["tiny-mixtral", "tiny-gpt-oss"])
+def test_keep_first_projection_in_training_graphs_only(family):
+    """Each experts node becomes experts_train(...)[0] in a training graph: same output, same gradients (float32);
+    an inference graph is left alone."""
+    ((gm, inputs),) = dynamo_graphs(tiny_moe(family), token_ids(), use_cache=False)
+    recognise_moe(gm, PassContext())
+    gm.recompile()
+    assert dict(keep_first_projection(gm, PassContext())) == {"skipped": "inference graph"}
+    assert len(moe_nodes(gm, "experts")) == MOE_LAYERS[family] and not moe_nodes(gm, "experts_train")
+    params = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    before = _outputs(gm(*inputs))[0]
+    grads_before = torch.autograd.grad(before.square().mean(), params, allow_unused=True)
+    report = keep_first_projection(gm, PassContext(training=True))
+    gm.graph.lint()
+    gm.recompile()
+    assert len(report["experts_train"]) == MOE_LAYERS[family]
+    assert len(moe_nodes(gm, "experts_train")) == MOE_LAYERS[family] and not moe_nodes(gm, "experts")
+    after = _outputs(gm(*inputs))[0]
+    _assert_same(after, before)
+    grads_after = torch.autograd.grad(after.square().mean(), params, allow_unused=True)
+    assert sum(g is not None for g in grads_after) > 0
+    for g, e in zip(grads_after, grads_before):
+        assert (g is None) == (e is None)
+        if e is not None:
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6 * max(1.0, e.abs().max().item()))
