@@ -1,5 +1,6 @@
 """The compile pipeline's passes on Dynamo graphs of tiny HF MoE models: recognise_moe, fuse_route_dispatch,
-set_capacity, keep_first_projection, each run alone on the graph Dynamo hands a backend and checked against the graph it rewrote."""
+set_capacity, keep_first_projection, each run alone on the graph Dynamo hands a backend and checked against the
+graph it rewrote."""
 import pytest
 import torch
 import torch.nn.functional as F
