@@ -249,8 +249,8 @@ def expert_ffn(x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor],
                limit: float = 7.0) -> Tensor:
     """The experts' output: experts(), or in eager training (autograd will run the backward) experts_train(), whose
     kept first projection costs N x F activations, as autograd over plain linears would (activation checkpointing
-    gives them back). Captured graphs (export, Dynamo) always get experts(): the node the passes rewrite. What the
-    MoE modules call."""
+    gives them back). Captured graphs (export, Dynamo) get experts(), the node the passes rewrite (in training graphs
+    the compile pipeline's keep_first_projection then makes it experts_train). What the MoE modules call."""
     args = (x, offsets, w_in, b_in, w_out, b_out, activation, gated, interleaved, alpha, limit)
     needs_grad = any(t is not None and t.requires_grad for t in (x, w_in, b_in, w_out, b_out))
     if torch.is_grad_enabled() and needs_grad and not torch.compiler.is_compiling():

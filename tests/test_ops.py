@@ -121,7 +121,7 @@ def test_opcheck_experts_backward_with_kept_h():
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_expert_ffn_keeps_h_only_when_autograd_needs_it(moe_op_log, interleaved):
-    """expert_ffn: experts under no_grad / without parameters that need grad; experts_train otherwise, with the same
+    """expert_ffn: experts under no_grad, experts_train when autograd will run the backward, with the same
     output and the same gradients (float64) as experts, whose backward recomputes h."""
     d = setup_moe(58, gated=True, dtype=torch.float64, requires_grad=True)
     args = (d["rows"], d["offsets"], d["w_in"], d["b_in"], d["w_out"], d["b_out"], "swiglu_oai", True, interleaved)
