@@ -165,6 +165,7 @@ def expert_parallel_experts(rows, offsets, w_in, b_in, w_out, b_out, activation:
     rows). traced=True emits plain c10d functional ops and explicit waits (the graph view)."""
     all_to_all = _all_to_all_graph if traced else _all_to_all_module
     wait = _wait_graph if traced else (lambda t: t)
+    run_experts = ops.experts if traced else ops.expert_ffn  # the module view trains: keep the first projection
     ex = exchange_counts(offsets, rows.shape[0], world_size, local, degree, group_name)
     sent = rows.narrow(0, 0, ex.sent)
     if degree > 1:  # chunk-major order, expert-contiguous inside each chunk
@@ -178,10 +179,10 @@ def expert_parallel_experts(rows, offsets, w_in, b_in, w_out, b_out, activation:
         x = wait(received[c])
         if local > 1:
             grouped = ops.dispatch(x, ex.local_ids[c], local)
-            y = ops.experts(grouped[0], grouped[2], w_in, b_in, w_out, b_out, activation, gated)
+            y = run_experts(grouped[0], grouped[2], w_in, b_in, w_out, b_out, activation, gated)
             y = ops.combine(y, grouped[1], torch.ones_like(ex.local_ids[c], dtype=torch.float32))
         else:
-            y = ops.experts(x, ex.local_offsets[c], w_in, b_in, w_out, b_out, activation, gated)
+            y = run_experts(x, ex.local_offsets[c], w_in, b_in, w_out, b_out, activation, gated)
         returned.append(all_to_all(y, ex.send[c], ex.recv[c], group_name))
     back = torch.cat([wait(t) for t in returned]) if degree > 1 else wait(returned[0])
     if degree > 1:
