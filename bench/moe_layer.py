@@ -189,11 +189,12 @@ def run_shape(name, d, f, e, k, tokens, copy_bw, lines, train, profile=False):
             block(xg).backward(grad)
         from moecompile import ops
         keep_h = ops.expert_ffn
-        recompute = lambda *args: ops.experts(*args)  # noqa: E731 (the backward recomputes the first projection)
         times = {"ours": [], "recompute": [], "hf": []}
-        try:  # interleaved rounds: a host-bound step (GPT-2's) drifts with the host between single measurements
+        # "recompute": the inference op, whose backward recomputes the first projection. Interleaved rounds: a
+        # host-bound step (GPT-2's) drifts with the host between single measurements.
+        try:
             for _ in range(TRAIN_ROUNDS):
-                for label, expert_ffn, block in (("ours", keep_h, ours), ("recompute", recompute, ours),
+                for label, expert_ffn, block in (("ours", keep_h, ours), ("recompute", ops.experts, ours),
                                                  ("hf", keep_h, hf)):
                     ops.expert_ffn = expert_ffn
                     times[label].append(bench(lambda: step(block)))

@@ -111,13 +111,20 @@ def _second_projection(a, offsets, w_out, b_out, kernel: str):
     return y
 
 
+def _grouped_mm_first_projection(x, offsets, w_in, b_in, activation: str, gated: bool):
+    """(a, h): h = x W_in^T on torch._grouped_mm, then a = act(h + b_in) in one Triton pass."""
+    h = _grouped(x, w_in.transpose(-2, -1), offsets)
+    return triton_moe.expert_activation(h, offsets, b_in, activation, gated), h
+
+
 def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     if not grouped_mm_supported(x, w_in, w_out):
         return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
     first, second = _projection_kernels(x, w_in, w_out)
-    if not first.startswith("triton"):  # torch._grouped_mm, then the activation pass: experts_train's path
-        return experts_train(x, offsets, w_in, b_in, w_out, b_out, activation, gated)[0]
-    a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, variant=first)
+    if first.startswith("triton"):
+        a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, variant=first)
+    else:
+        a, _ = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
     return _second_projection(a, offsets, w_out, b_out, second)
 
 
@@ -126,8 +133,7 @@ def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: 
     activation in one Triton pass; the second projection as experts() runs it."""
     if not grouped_mm_supported(x, w_in, w_out):
         return reference.experts_train(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
-    h = _grouped(x, w_in.transpose(-2, -1), offsets)
-    a = triton_moe.expert_activation(h, offsets, b_in, activation, gated)
+    a, h = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
     return _second_projection(a, offsets, w_out, b_out, _projection_kernels(x, w_in, w_out)[1]), h
 
 

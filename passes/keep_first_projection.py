@@ -20,8 +20,8 @@ def keep_first_projection(gm: fx.GraphModule, ctx) -> dict:
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is EXPERTS]:
         with gm.graph.inserting_after(node):
             train = gm.graph.call_function(EXPERTS_TRAIN, node.args, node.kwargs)
-            with gm.graph.inserting_after(train):
-                y = gm.graph.call_function(operator.getitem, (train, 0))
+        with gm.graph.inserting_after(train):
+            y = gm.graph.call_function(operator.getitem, (train, 0))
         train.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "example_value")})
         y.meta.update(node.meta)
         node.replace_all_uses_with(y)
