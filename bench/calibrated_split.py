@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 
-from moecompile import calib_data, models
-from moecompile.calib_report import calibration_texts
-from moecompile.calibrate import (CalibConfig, _outputs, calibrate_model, default_shared_experts, ffn_flops,
+from moecompile.calibration import data as calib_data
+from moecompile.conversion import models
+from moecompile.calibration.report import calibration_texts
+from moecompile.calibration.calibrate import (CalibConfig, _outputs, calibrate_model, default_shared_experts, ffn_flops,
                                   load_tokenizer, quality_curve, token_batches)
-from moecompile.block import MoEBlock
+from moecompile.ir.block import MoEBlock
 
 
 def run(cfg, tokens, eval_sentences):

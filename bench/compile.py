@@ -27,7 +27,7 @@ import torch
 import transformers
 
 import moecompile
-from moecompile.runtime import kernel_for
+from moecompile.runtime.registry import kernel_for
 
 REAL = {
     "mixtral-like": ("MixtralConfig", "MixtralModel", dict(

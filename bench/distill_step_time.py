@@ -10,7 +10,7 @@ import time
 import torch
 
 from moecompile import MoEBlock, MoEConfig
-from moecompile.calibrate import _routed_dense, _routed_sparse, masked_forward
+from moecompile.calibration.calibrate import _routed_dense, _routed_sparse, masked_forward
 
 # (label, routed experts, routed top_k, shared experts): the top_k 8 and 4 recipes, and a denser routing
 CASES = [("top_k 8 recipe", 10, 2, 6), ("top_k 4 recipe", 14, 2, 2), ("5 of 10 routed", 10, 5, 6)]

@@ -10,9 +10,9 @@ import time
 
 import torch
 
-from moecompile import models
-from moecompile.calib_report import calibration_texts
-from moecompile.calibrate import (CalibConfig, _last_hidden, calibrate_model, default_shared_experts,
+from moecompile.conversion import models
+from moecompile.calibration.report import calibration_texts
+from moecompile.calibration.calibrate import (CalibConfig, _last_hidden, calibrate_model, default_shared_experts,
                                   distill_end_to_end, load_tokenizer, token_batches)
 
 

@@ -4,7 +4,7 @@ On the device:   python bench/fp8.py --out bench/results/gpu-fp8.md
 CPU smoke test:  python bench/fp8.py --tiny            (tiny shapes, reference kernels; checks the script, not speed)
 
 Both layers are moecompile MoEBlocks (SwiGLU, dropless, random router) sharing router and weights: bf16 experts
-(moecompile::experts) against FP8 experts (moecompile.fp8.MoEExpertsFP8: quantize_fp8 -> experts_fp8, float8_e4m3fn
+(moecompile::experts) against FP8 experts (moecompile.ir.fp8.MoEExpertsFP8: quantize_fp8 -> experts_fp8, float8_e4m3fn
 weights with 128 x 128 block scales, activations per token per 128 channels). Times are medians of the whole layer
 forward (triton.testing.do_bench on CUDA), eagerly and replayed from a CUDA graph, plus the expert op alone on the
 same dispatched rows. err: relative Frobenius error of the FP8 layer's output against the bf16 layer's.
@@ -48,7 +48,7 @@ def bench_ms(fn, device: torch.device) -> float:
 
 
 def kernel_names(device: torch.device) -> dict[str, str]:
-    from moecompile.runtime import kernel_for
+    from moecompile.runtime.registry import kernel_for
 
     return {op: getattr(kernel_for(op, device), "__module__", "?").rsplit(".", 1)[-1]
             for op in ("route", "dispatch", "experts", "combine", "quantize_fp8", "experts_fp8")}
@@ -84,7 +84,7 @@ def graph_ms(fn, device: torch.device, ops: tuple[str, ...]) -> float | None:
 def build(d, f, e, k, device):
     """bf16 and FP8 MoEBlocks with the same router and (bf16-rounded) expert weights, built without a float32 copy."""
     from moecompile import MoEBlock, MoEConfig
-    from moecompile.fp8 import MoEExpertsFP8
+    from moecompile.ir.fp8 import MoEExpertsFP8
 
     config = MoEConfig(hidden_size=d, expert_size=f, num_experts=e, top_k=k, capacity_factor=0.0,
                        activation="silu", gated=True)
@@ -112,7 +112,7 @@ def weight_bytes(experts: nn.Module) -> int:
 
 
 def run_shape(name, d, f, e, k, tokens, device):
-    from moecompile import ops
+    from moecompile.ir import ops
 
     bf16, fp8 = build(d, f, e, k, device)
     x = torch.randn(tokens, d, device=device, dtype=torch.bfloat16)

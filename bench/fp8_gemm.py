@@ -48,9 +48,9 @@ def rowwise_quant(x):
 
 
 def run(name, d, f, e, k, tokens, lines):
-    from moecompile.fp8 import dequantize_blocks, quantize_blocks
+    from moecompile.ir.fp8 import dequantize_blocks, quantize_blocks
     from moecompile.kernels import cuda, triton_fp8
-    from moecompile.kernels import fp8 as fp8_math
+    from moecompile.ir import fp8_format as fp8_math
 
     w_in, w_out, rows, offsets, _ = options_table.dispatched_layer(d, f, e, k, tokens)
     n = rows.shape[0]

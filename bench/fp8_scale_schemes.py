@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 import moecompile
-from moecompile import calib_data, models
-from moecompile.calibrate import load_tokenizer, token_batches
-from moecompile.kernels import fp8 as K
+from moecompile.calibration import data as calib_data
+from moecompile.conversion import models
+from moecompile.calibration.calibrate import load_tokenizer, token_batches
+from moecompile.ir import fp8_format as K
 from moecompile.kernels import reference
 from moecompile.runtime import registry
 
@@ -119,7 +120,7 @@ def main(argv=None):
     batches = token_batches(tokenize, calib_data.sentences(calib_data.corpus("heldout")), 10**9, seed=1)
     batches = batches[: max(1, a.sentences // 32)]
     moe = moecompile.moeize(copy.deepcopy(dense), experts=8, top_k=2, capacity_factor=0.0, progress=False)
-    blocks = list(moecompile.layout.moe_blocks(moe))
+    blocks = list(moecompile.ir.layout.moe_blocks(moe))
     inputs = {path: [] for path, _ in blocks}
     hooks = [b.register_forward_hook(lambda m, args, out, p=path: inputs[p].append(args[0])) for path, b in blocks]
     with torch.no_grad():

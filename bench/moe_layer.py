@@ -152,7 +152,7 @@ def run_shape(name, d, f, e, k, tokens, copy_bw, lines, train, profile=False):
         compiled(x)
         r["hf_compile"] = bench(lambda: compiled(x))
         r["bare"] = bare_grouped_gemms(d, f, e, k, tokens)
-        from moecompile import ops
+        from moecompile.ir import ops
         _, ids = ops.route(x.reshape(-1, d).float() @ ours.router.weight.float().t(), k, 0.0, True)
         hit = torch.unique(ids).numel()
         r["weight_read"] = hit * 3 * d * f * 2 / copy_bw * 1e3  # ms to read the hit experts' weights once
@@ -187,7 +187,7 @@ def run_shape(name, d, f, e, k, tokens, copy_bw, lines, train, profile=False):
             block.zero_grad(set_to_none=True)
             xg.grad = None
             block(xg).backward(grad)
-        from moecompile import ops
+        from moecompile.ir import ops
         keep_h = ops.expert_ffn
         times = {"ours": [], "recompute": [], "hf": []}
         # "recompute": the inference op, whose backward recomputes the first projection. Interleaved rounds: a

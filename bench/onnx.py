@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import moecompile  # noqa: E402
 from moecompile import models  # noqa: E402
-from moecompile.onnx_export import export_onnx, token_ids  # noqa: E402
+from moecompile.io.onnx_export import export_onnx, token_ids  # noqa: E402
 
 
 def _interleaved_ms(fns: dict, repeat: int) -> dict:

@@ -18,7 +18,7 @@ def ms(fn) -> float:
 def dispatched_layer(d: int, f: int, e: int, k: int, tokens: int):
     """Random SwiGLU expert weights (bf16, CUDA) and one layer's tokens routed by a random router and dispatched:
     (w_in, w_out, rows, offsets, generator)."""
-    from moecompile import ops
+    from moecompile.ir import ops
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)

@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moecompile import calib_data, models
-from moecompile.block import MoEBlock
-from moecompile.calib_report import calibration_texts
-from moecompile.calibrate import (_ADAM, CalibConfig, _embedding_loss, _last_hidden, _model_kwargs, _one_cycle,
+from moecompile.calibration import data as calib_data
+from moecompile.conversion import models
+from moecompile.ir.block import MoEBlock
+from moecompile.calibration.report import calibration_texts
+from moecompile.calibration.calibrate import (_ADAM, CalibConfig, _embedding_loss, _last_hidden, _model_kwargs, _one_cycle,
                                   _outputs, calibrate_model, distill_end_to_end, load_tokenizer, masked_forward,
                                   quality, token_batches)
 

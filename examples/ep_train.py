@@ -58,7 +58,7 @@ def main(argv=None) -> int:
 
 
 def train(args) -> int:
-    from moecompile import models
+    from moecompile.conversion import models
 
     group = ep.init(timeout=args.timeout)
     rank, world = dist.get_rank(group), dist.get_world_size(group)

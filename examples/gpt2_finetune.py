@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 import moecompile
-from moecompile import checkpoint, models
+from moecompile.io import checkpoint
+from moecompile.conversion import models
 from moecompile.errors import MoECompileError
 from moecompile.examples.common import add_moe_args, apply_threads
 from moecompile.plot import curve_figure, require_matplotlib, save_png
@@ -199,7 +200,7 @@ def run(args) -> int:
     moecompile.moeize(model, experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor,
                       method="upcycle", noise=args.noise, seed=args.seed, progress=False)
     counts = parameter_counts(model)
-    print(f"converted: {len(moecompile.layout.moe_blocks(model))} MLPs -> {args.experts} experts, top-{args.top_k}, "
+    print(f"converted: {len(moecompile.ir.layout.moe_blocks(model))} MLPs -> {args.experts} experts, top-{args.top_k}, "
           f"capacity factor {args.capacity_factor}; parameters {human(dense_params)} dense -> {human(counts['total'])} "
           f"total, {human(counts['active_per_token'])} active per token")
 

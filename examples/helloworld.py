@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import moecompile
-from moecompile.config import ACTIVATIONS
+from moecompile.ir.config import ACTIVATIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

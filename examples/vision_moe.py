@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     moecompile.moeize(moe, experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor,
                       method="upcycle", noise=args.noise, seed=args.seed, example_args=(data[1][:2],),
                       progress=False)
-    blocks = len(moecompile.layout.moe_blocks(moe))
+    blocks = len(moecompile.ir.layout.moe_blocks(moe))
     print(f"model: ViT {args.depth} blocks x {args.dim} wide, patch {args.patch}; MoE copy: {blocks} MLPs -> "
           f"{args.experts} experts, top-{args.top_k}, capacity factor {args.capacity_factor} (upcycled, noise "
           f"{args.noise})")

@@ -12,8 +12,8 @@ import weakref
 import torch
 from triton.compiler.errors import CompilationError
 
-from . import fp8 as fp8_math
-from . import reference, triton_fp8, triton_moe, triton_routing
+from moecompile.ir import fp8_format as fp8_math
+from moecompile.kernels import reference, triton_fp8, triton_moe, triton_routing
 
 # Expert GEMM kernels per projection: "triton_tma" / "triton" = a Triton grouped GEMM with bias (+ activation, first
 # projection) in its epilogue, operands loaded by TMA (Hopper) or by pointers; "triton_persistent" = the TMA one as a
@@ -228,7 +228,7 @@ def _rowwise_weights(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Te
 
 
 def _interleaved_gate_up(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    from . import gluon_fp8
+    from moecompile.kernels import gluon_fp8
 
     return gluon_fp8.interleave_gate_up(w)
 
@@ -237,7 +237,7 @@ _CUTLASS_UNUSABLE: list[Exception] = []  # set when the CUTLASS library failed t
 
 
 def _cutlass_usable(x_fp8, w_out) -> bool:
-    from . import cutlass_fp8
+    from moecompile.kernels import cutlass_fp8
 
     if _CUTLASS_UNUSABLE or not cutlass_fp8.supported(x_fp8.shape[1], w_out.shape[2], w_out.shape[1]):
         return False
@@ -255,7 +255,7 @@ def _experts_fp8_cutlass(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in
                          activation: str, gated: bool, out_dtype: torch.dtype):
     """Both projections on CUTLASS's block-scaled grouped GEMM; between them one Triton pass: bias, activation and
     the quantisation of the intermediate activation per row per 128 channels."""
-    from . import cutlass_fp8
+    from moecompile.kernels import cutlass_fp8
 
     h = cutlass_fp8.grouped_gemm(x_fp8, x_scale_inv, offsets, w_in,
                                  _converted_weights(w_in, w_in_scale_inv, cutlass_fp8.weight_scales))
@@ -281,7 +281,7 @@ def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, 
         return _experts_fp8_cutlass(*args)
     if not rowwise and hopper_batch and FP8_BLOCK_KERNEL in ("auto", "gluon") and not _GLUON_UNUSABLE:
         try:
-            from . import gluon_fp8
+            from moecompile.kernels import gluon_fp8
 
             w_in_k = _converted_weights(w_in, w_in_scale_inv, _interleaved_gate_up) if gated else w_in
             return gluon_fp8.experts_fp8(x_fp8, x_scale_inv, offsets, w_in_k, w_in_scale_inv, b_in, w_out,

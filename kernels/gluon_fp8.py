@@ -25,7 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .triton_moe import _activation
+from moecompile.kernels.triton_moe import _activation
 
 # Gluon is experimental and renames its builtins between Triton versions: the TMA load is async_copy_global_to_shared
 # in Triton 3.6 (the device's) and async_load in 3.9 (this machine's; compiled for sm_90a there, not run)
@@ -244,7 +244,7 @@ def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, 
                 activation_id: int, gated: bool, out_dtype: torch.dtype, config: dict | None = None):
     """triton_fp8.experts_fp8 (block scales, promoted every K step) on the Gluon kernel; w_in interleaved when
     gated (interleave_gate_up). The first projection's output goes through bf16 to quantize_rows (per 128)."""
-    from .triton_fp8 import quantize_rows
+    from moecompile.kernels.triton_fp8 import quantize_rows
 
     n_rows, hidden = x_fp8.shape
     width = w_out.shape[2]

@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from . import fp8
-from .activations import expert_activation, expert_activation_backward
+from moecompile.ir import fp8_format as fp8
+from moecompile.ir.activations import expert_activation, expert_activation_backward
 
 
 def capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_moe import (ACTIVATION_IDS, _activation, _bias_activation, _expert_tile, _num_sms, _row_expert,
+from moecompile.kernels.triton_moe import (ACTIVATION_IDS, _activation, _bias_activation, _expert_tile, _num_sms, _row_expert,
                          _tile_at, _tile_table, _tma_scratch, _tma_weight_desc)
 
 FP8_MAX = 448.0

@@ -5,23 +5,59 @@
     moecompile.save(model, "gpt2-moe16")
     model = moecompile.load("gpt2-moe16")
     moecompile.export_onnx(model, "gpt2-moe16.onnx")
-"""
-from . import hf, ops  # ops registers the moecompile:: custom ops
-from .backend import compile
-from .block import MoEBlock, MoEExperts, aux_loss
-from .checkpoint import load, save
-from .config import MoEConfig
-from .convert import moeize
-from .distributed import distribute
-from .errors import MoECompileError
-from .fp8 import MoEExpertsFP8
-from .fp8 import quantize as quantize_fp8
-from .onnx_export import export_onnx  # onnx / onnxscript imported on first use
-from .stats import RoutingStats, routing_metrics, routing_stats, track_routing
 
-__all__ = ["MoEBlock", "MoEExperts", "MoEExpertsFP8", "MoEConfig", "MoECompileError", "RoutingStats", "aux_loss",
-           "compile", "distribute", "export_onnx", "load", "moeize", "ops", "quantize_fp8", "routing_metrics",
-           "routing_stats", "save", "track_routing"]
+Importing the package is cheap (the CLI answers --help without torch): each public name is imported on first use,
+the moecompile:: custom ops are registered as soon as torch is imported, and the Hugging Face experts
+implementation ("moecompile") as soon as transformers' MoE integration is.
+"""
+import importlib
+from pathlib import Path as _Path
+
+import wrapt
+
+# A source checkout keeps the subpackages kernels/, passes/, runtime/ and examples/ beside this folder (pyproject's
+# package-dir). They are namespace folders (no __init__.py), so from the checkout's root they never shadow a
+# top-level package of the same name, such as Hugging Face's `kernels`; an installed wheel holds them inside.
+_checkout = _Path(__file__).resolve().parent.parent
+if not (_Path(__file__).parent / "kernels").is_dir() and (_checkout / "kernels").is_dir():
+    __path__.append(str(_checkout))
+
+_PUBLIC = {  # name -> module that defines it
+    "MoEBlock": "moecompile.ir.block", "MoEExperts": "moecompile.ir.block", "aux_loss": "moecompile.ir.block",
+    "MoEConfig": "moecompile.ir.config", "MoEExpertsFP8": "moecompile.ir.fp8", "quantize_fp8": "moecompile.ir.fp8",
+    "MoECompileError": "moecompile.errors", "compile": "moecompile.backend", "moeize": "moecompile.conversion.moeize",
+    "load": "moecompile.io.checkpoint", "save": "moecompile.io.checkpoint",
+    "export_onnx": "moecompile.io.onnx_export", "distribute": "moecompile.distributed",
+    "RoutingStats": "moecompile.stats", "routing_metrics": "moecompile.stats", "routing_stats": "moecompile.stats",
+    "track_routing": "moecompile.stats",
+}
+_RENAMED = {"quantize_fp8": "quantize"}
+_MODULES = {"ops": "moecompile.ir.ops"}
+
+__all__ = sorted([*_PUBLIC, *_MODULES])
 __version__ = "0.1.0"
 
-hf.register()  # model.set_experts_implementation("moecompile") for every HF MoE model
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+    elif name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), _RENAMED.get(name, name))
+    else:
+        raise AttributeError(f"module 'moecompile' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *__all__])
+
+
+@wrapt.when_imported("torch")
+def _register_ops(_torch):
+    importlib.import_module("moecompile.ir.ops")
+
+
+@wrapt.when_imported("transformers.integrations.moe")
+def _register_hf_experts(_module):
+    importlib.import_module("moecompile.integrations.hf_experts").register()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .errors import MoECompileError
+from moecompile.errors import MoECompileError
 
 log = logging.getLogger("moecompile")
 

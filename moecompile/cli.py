@@ -10,12 +10,11 @@ import logging
 import sys
 import time
 
-import torch
+from moecompile.errors import MoECompileError
 
-from .errors import MoECompileError
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+# --dtype's names -> torch dtype names (torch itself is imported by the commands: --help stays fast)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,6 +111,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _probe_output(model, args, kwargs) -> torch.Tensor:
+    import torch
+
     with torch.no_grad():
         out = model(*args, **kwargs)
     for key in ("logits", "last_hidden_state"):
@@ -125,9 +126,13 @@ def _default_out(model: str, experts: int) -> str:
 
 
 def convert(a) -> int:
-    from . import checkpoint, models, report
-    from .convert import moeize
-    from .frontend import example_inputs
+    import torch
+
+    from moecompile import report
+    from moecompile.io import checkpoint
+    from moecompile.conversion import models
+    from moecompile.conversion.moeize import moeize
+    from moecompile.conversion.frontend import example_inputs
 
     if a.experts < 1:
         raise MoECompileError(f"--experts must be >= 1, got {a.experts}")
@@ -145,7 +150,7 @@ def convert(a) -> int:
     dense_out = _probe_output(model, probe_args, probe_kwargs)
     extra = {}
     if a.calib is not None:
-        from .calib_report import run_calibration
+        from moecompile.calibration.report import run_calibration
 
         extra = run_calibration(model, source.directory, a, progress)
     else:
@@ -154,12 +159,12 @@ def convert(a) -> int:
     moe_out = _probe_output(model, probe_args, probe_kwargs)
     diff = (moe_out - dense_out).abs().max().item()
     if a.fp8:
-        from . import fp8
+        from moecompile.ir import fp8
 
         fp8.quantize(model, progress=progress)  # from the converted weights, before any --dtype rounding
         fp8_err = _rel_err(_probe_output(model, probe_args, probe_kwargs), moe_out)
     if a.dtype:
-        model.to(DTYPES[a.dtype])
+        model.to(getattr(torch, DTYPES[a.dtype]))
     checkpoint.save(model, out, tokenizer_dir=source.directory, max_shard_size=a.max_shard_size, progress=progress,
                     extra_files=extra)
     moe = report.parameter_counts(model)
@@ -189,7 +194,9 @@ def _folder_bytes(directory) -> int:
 def quantize_cmd(a) -> int:
     from pathlib import Path
 
-    from . import checkpoint, fp8, layout
+    from moecompile.io import checkpoint
+    from moecompile.ir import fp8
+    from moecompile.ir import layout
 
     source = Path(a.model)
     if not source.is_dir():
@@ -203,7 +210,7 @@ def quantize_cmd(a) -> int:
         checkpoint.save(model, out, tokenizer_dir=source, max_shard_size=a.max_shard_size, progress=progress)
         what = f"the experts of {len(layout.moe_blocks(model))} MoE blocks"
     else:
-        from .hf_fp8 import quantize_checkpoint
+        from moecompile.io.hf_fp8 import quantize_checkpoint
 
         count = quantize_checkpoint(source, out, progress=progress)
         what = f"{count} expert weights (Hugging Face FineGrainedFP8 layout)"
@@ -216,10 +223,12 @@ def quantize_cmd(a) -> int:
 
 def _graph_reports(model, show_graphs: bool) -> list[dict]:
     """Compile model with the moecompile backend (no inductor) on a probe input; the reports of each graph."""
-    from .backend import clear_records, compile as moe_compile, records
-    from .frontend import example_inputs
+    from moecompile.backend import clear_records, compile as moe_compile, records
+    from moecompile.conversion.frontend import example_inputs
 
     args, kwargs = example_inputs(model)
+    import torch
+
     clear_records()
     torch._dynamo.reset()
     with torch.no_grad():
@@ -229,8 +238,10 @@ def _graph_reports(model, show_graphs: bool) -> list[dict]:
 
 
 def inspect_cmd(a) -> int:
-    from . import checkpoint, models, report
-    from .convert import find_dense_ffns
+    from moecompile import report
+    from moecompile.io import checkpoint
+    from moecompile.conversion import models
+    from moecompile.conversion.moeize import find_dense_ffns
 
     progress = not a.no_progress
     if a.graph:
@@ -247,7 +258,7 @@ def inspect_cmd(a) -> int:
         return 0
     probe = a.routing or a.plot is not None
     if a.plot is not None:
-        from .plot import require_matplotlib
+        from moecompile.plot import require_matplotlib
 
         require_matplotlib()  # before loading anything
     if checkpoint.is_checkpoint(a.model):
@@ -296,13 +307,13 @@ def _probe_routing(model, a) -> dict:
     """Measure each block's expert load on a probe batch (random ids or --probe-text); plot it with --plot."""
     from pathlib import Path
 
-    from .stats import probe_routing
+    from moecompile.stats import probe_routing
 
     ids, what = None, "random"
     if a.probe_text is not None:
         from transformers import AutoTokenizer
 
-        from .checkpoint import TOKENIZER_FILES
+        from moecompile.io.checkpoint import TOKENIZER_FILES
 
         if not any((Path(a.model) / f).is_file() for f in TOKENIZER_FILES):
             raise MoECompileError(f"--probe-text needs a tokenizer in {a.model}, and it has none")
@@ -323,7 +334,7 @@ def _probe_routing(model, a) -> dict:
     out = {"probe": probe, "blocks": {path: {**s.summary(), "counts": s.counts.tolist(), "dropped": int(s.dropped)}
                                       for path, s in stats.items()}}
     if a.plot is not None:
-        from .plot import expert_load_figure, save_png
+        from moecompile.plot import expert_load_figure, save_png
 
         name = Path(a.model).resolve().name
         ks = {s.top_k for s in stats.values()}
@@ -333,8 +344,9 @@ def _probe_routing(model, a) -> dict:
 def export_onnx_cmd(a) -> int:
     from pathlib import Path
 
-    from . import checkpoint, models
-    from .onnx_export import OPSET, compare_onnxruntime, export_onnx, token_ids
+    from moecompile.io import checkpoint
+    from moecompile.conversion import models
+    from moecompile.io.onnx_export import OPSET, compare_onnxruntime, export_onnx, token_ids
 
     out = Path(a.out or f"{a.model.rstrip('/').split('/')[-1]}.onnx")
     if out.exists() and not a.overwrite:
@@ -363,7 +375,7 @@ def export_onnx_cmd(a) -> int:
 
 
 def checkpoint_cmd(a) -> int:
-    from . import ep_checkpoint
+    from moecompile.io import ep_checkpoint
 
     if a.action == "scatter":
         out = ep_checkpoint.scatter(a.source, a.out, a.world_size, progress=not a.no_progress)

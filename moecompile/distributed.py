@@ -32,9 +32,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import fx, nn
 
-from . import checkpoint, layout, ops
-from .block import MoEBlock
-from .errors import MoECompileError
+from moecompile.io import checkpoint
+from moecompile.ir import layout
+from moecompile.ir import ops
+from moecompile.ir.block import MoEBlock
+from moecompile.errors import MoECompileError
 
 DEFAULT_TIMEOUT_S = 300.0
 EXPERT_TENSORS = ("w_in", "b_in", "w_out", "b_out")  # MoEExperts' parameters, sharded on their first dim
@@ -356,7 +358,7 @@ def save(model: nn.Module, directory, group: dist.ProcessGroup | None = None, to
     """Write an expert-parallel model from every rank of group into one folder: rank 0 writes config.json and the
     replicated tensors, each rank its own experts file. Collective and all-or-nothing: the folder appears once every
     rank has written; on any failure every rank raises MoECompileError and nothing is left behind."""
-    from . import ep_checkpoint  # (it imports this module)
+    from moecompile import ep_checkpoint  # (it imports this module)
 
     group = _group(group)
     if not is_distributed(model):
@@ -390,7 +392,7 @@ def load(directory, model: nn.Module | None = None, group: dist.ProcessGroup | N
     """Load a checkpoint onto every rank of group, experts sharded: an expert-parallel folder saved by as many
     ranks (each reads the replicated tensors and its own experts file), or a whole checkpoint (each keeps its
     slice). Pass `model` (a dense skeleton) for non-HF models, as for moecompile.load."""
-    from . import ep_checkpoint
+    from moecompile.io import ep_checkpoint
 
     group = _group(group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)

@@ -10,8 +10,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import MoECompileError
-from .stats import RoutingStats, as_floats
+from moecompile.errors import MoECompileError
+from moecompile.stats import RoutingStats, as_floats
 
 
 def require_matplotlib():

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .fp8 import is_fp8
-from .layout import moe_blocks
+from moecompile.ir.fp8 import is_fp8
+from moecompile.ir.layout import moe_blocks
 
 
 def parameter_counts(model: nn.Module) -> dict:

@@ -16,7 +16,7 @@ import networkx as nx
 import torch
 from torch import fx
 
-from moecompile.config import ACTIVATIONS, activation_fn as apply_activation
+from moecompile.ir.config import ACTIVATIONS, activation_fn as apply_activation
 
 aten = torch.ops.aten
 

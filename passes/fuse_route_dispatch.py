@@ -12,7 +12,7 @@ import operator
 import torch
 from torch import fx
 
-from .nodes import call, cast_dtype, kind, moe_op, outputs, same_tensor, strip_casts
+from moecompile.passes.nodes import call, cast_dtype, kind, moe_op, outputs, same_tensor, strip_casts
 
 # route's and route_grouped's arguments after the logits, with route_grouped's defaults
 _ROUTING = ("top_k", "capacity_factor", "renormalize", "scoring", "correction_bias", "n_group", "topk_group",

@@ -1,4 +1,4 @@
-"""insert_fp8 (graph view of moecompile.fp8): each moecompile.experts node becomes quantize_fp8 -> experts_fp8.
+"""insert_fp8 (graph view of moecompile.ir.fp8): each moecompile.experts node becomes quantize_fp8 -> experts_fp8.
 
     before   y = experts(x, offsets, w_in, b_in, w_out, b_out, act, gated)
     after    x_fp8, x_scale_inv = quantize_fp8(x, 128)
@@ -34,8 +34,8 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from moecompile.passes.nodes import moe_op, value
-from moecompile.block import MoEExperts
-from moecompile.fp8 import ACT_GROUP, FP8, MoEExpertsFP8, quantize_blocks, quantize_weight
+from moecompile.ir.block import MoEExperts
+from moecompile.ir.fp8 import ACT_GROUP, FP8, MoEExpertsFP8, quantize_blocks, quantize_weight
 
 EXPERTS = torch.ops.moecompile.experts.default
 QUANTIZE_FP8 = torch.ops.moecompile.quantize_fp8.default

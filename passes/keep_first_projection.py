@@ -1,6 +1,6 @@
 """keep_first_projection: in a training graph, each experts node becomes experts_train, whose first projection is
 kept for the backward instead of recomputed there (N x F more saved activations per MoE layer, a quarter less GEMM
-work in its backward: what eager training does, moecompile.ops.expert_ffn). Inference graphs are left alone."""
+work in its backward: what eager training does, moecompile.ir.ops.expert_ffn). Inference graphs are left alone."""
 from __future__ import annotations
 
 import operator

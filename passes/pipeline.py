@@ -16,15 +16,15 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
-from .find_ffn import find_ffn
-from .fuse_route_dispatch import fuse_route_dispatch
-from .insert_all_to_all import insert_all_to_all
-from .insert_fp8 import insert_fp8
-from .keep_first_projection import keep_first_projection
-from .moeize import moeize
-from .nodes import value
-from .recognise_moe import recognise_moe
-from .set_capacity import set_capacity
+from moecompile.passes.find_ffn import find_ffn
+from moecompile.passes.fuse_route_dispatch import fuse_route_dispatch
+from moecompile.passes.insert_all_to_all import insert_all_to_all
+from moecompile.passes.insert_fp8 import insert_fp8
+from moecompile.passes.keep_first_projection import keep_first_projection
+from moecompile.passes.moeize import moeize
+from moecompile.passes.nodes import value
+from moecompile.passes.recognise_moe import recognise_moe
+from moecompile.passes.set_capacity import set_capacity
 
 PIPELINES = {
     # dense -> MoE on graphs captured by torch.export (moecompile.moeize's graph view)

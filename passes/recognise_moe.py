@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from moecompile.config import identify_activation
+from moecompile.ir.config import identify_activation
 
-from .nodes import call, kind, moe_op, outputs, scalar_args, strip_casts, value
+from moecompile.passes.nodes import call, kind, moe_op, outputs, scalar_args, strip_casts, value
 
 MOE = torch.ops.moecompile
 KNOWN_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from .nodes import moe_op
+from moecompile.passes.nodes import moe_op
 
 # position of capacity_factor in each routing op's arguments
 CAPACITY_ARG = {"route": 2, "route_grouped": 2, "route_dispatch": 4}

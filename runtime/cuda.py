@@ -1,7 +1,7 @@
 """CUDA kernels: registered for device type "cuda" when triton is available, else the reference kernels run."""
 import warnings
 
-from .registry import register_kernel
+from moecompile.runtime.registry import register_kernel
 
 try:
     from moecompile.kernels import cuda as _cuda

@@ -2,16 +2,8 @@
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
-# `python -m pytest` puts the working directory first on sys.path. From the repository root the source folder
-# kernels/ (installed as moecompile.kernels) would then shadow Hugging Face's `kernels` package, which transformers
-# (5.25) depends on and imports. moecompile is installed; the root need not be on the path.
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _ROOT]
-
-import torch  # noqa: E402
+import torch
 
 # Triton kernels run in Triton's interpreter wherever there is no GPU (CI); must be set before triton compiles them.
 if not torch.cuda.is_available():

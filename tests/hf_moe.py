@@ -2,7 +2,7 @@
 import torch
 import transformers
 
-from moecompile.models import TINY_MOE
+from moecompile.conversion.models import TINY_MOE
 
 FAMILIES = tuple(TINY_MOE)
 # MoE layers per tiny model (tiny-deepseek-v3's first layer is dense)

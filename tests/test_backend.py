@@ -262,7 +262,7 @@ def test_backend_recognises_blocks_already_on_moecompile_experts():
 def test_hf_experts_with_an_unknown_gate_is_an_error():
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-    from moecompile.hf import experts_forward
+    from moecompile.integrations.hf_experts import experts_forward
 
     class OddExperts(MixtralExperts):
         def _apply_gate(self, gate_up):

@@ -8,7 +8,7 @@ from torch import nn
 
 import moecompile
 from moecompile import MoEBlock, MoECompileError, MoEConfig
-from moecompile.block import aux_loss
+from moecompile.ir.block import aux_loss
 
 ATOL, RTOL = 1e-5, 1e-4
 

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 import moecompile
-from moecompile import MoEBlock, MoECompileError, MoEConfig, calibrate as C, models
+from moecompile import MoEBlock, MoECompileError, MoEConfig
+from moecompile.calibration import calibrate as C
+from moecompile.conversion import models
 from moecompile.cli import main
-from moecompile.convert import find_dense_ffns
+from moecompile.conversion.moeize import find_dense_ffns
 
 
 def gen(seed):
@@ -266,8 +268,8 @@ def test_default_shared_experts_is_half_of_top_k_at_most_two_routed_and_valid():
 
 
 def test_stdlib_calibration_text_is_sentences():
-    from moecompile import calib_data
-    from moecompile.calib_report import calibration_texts
+    from moecompile.calibration import data as calib_data
+    from moecompile.calibration.report import calibration_texts
 
     texts = calibration_texts("stdlib")
     assert len(texts) > 1000 and all(6 <= len(t.split()) <= 40 for t in texts)  # single sentences
@@ -324,7 +326,7 @@ def test_cli_calib_file_and_errors(tmp_path, capsys):
 
 
 def test_stdlib_corpus_splits_are_disjoint_and_deterministic():
-    from moecompile import calib_data
+    from moecompile.calibration import data as calib_data
 
     calib, held = calib_data.corpus("calib"), calib_data.corpus("heldout")
     assert len(calib) > 1000 and len(held) > 100

@@ -1,4 +1,4 @@
-"""moecompile.checkpoint save/load through the Python API (moeize -> save -> load), CPU, float32, tiny models."""
+"""moecompile.io.checkpoint save/load through the Python API (moeize -> save -> load), CPU, float32, tiny models."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from moecompile import MoEBlock, MoECompileError, checkpoint
-from moecompile.convert import moeize
-from moecompile.layout import moe_blocks
+from moecompile import MoEBlock, MoECompileError
+from moecompile.io import checkpoint
+from moecompile.conversion.moeize import moeize
+from moecompile.ir.layout import moe_blocks
 
 VOCAB = 100
 

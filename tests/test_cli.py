@@ -16,9 +16,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moecompile import MoEBlock, checkpoint
+from moecompile import MoEBlock
+from moecompile.io import checkpoint
 from moecompile.cli import main
-from moecompile.layout import moe_blocks
+from moecompile.ir.layout import moe_blocks
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("moecompile")
 
@@ -67,7 +68,7 @@ def gpt2_dense_total(h: int, f: int, layers: int, vocab: int, positions: int) ->
     return vocab * h + positions * h + layers * block + 2 * h  # lm_head tied to wte
 
 
-# tiny-gpt2 of moecompile.models.KNOWN_CONFIGS: n_embd 64, FFN 256, 2 layers, vocab 1000, 128 positions
+# tiny-gpt2 of moecompile.conversion.models.KNOWN_CONFIGS: n_embd 64, FFN 256, 2 layers, vocab 1000, 128 positions
 TINY_GPT2 = dict(h=64, f=256, layers=2, vocab=1000, positions=128)
 
 
@@ -86,7 +87,7 @@ def gpt2_moe_dir(tmp_path_factory) -> tuple[Path, str]:
 @pytest.fixture(scope="module")
 def tiny_gpt2_folder(tmp_path_factory) -> Path:
     """A local HF folder (config.json + model.safetensors) of tiny-gpt2 with fixed random weights."""
-    from moecompile.models import KNOWN_CONFIGS
+    from moecompile.conversion.models import KNOWN_CONFIGS
     import transformers
 
     config, arch = KNOWN_CONFIGS["tiny-gpt2"]()

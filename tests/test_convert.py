@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from moecompile import MoECompileError
-from moecompile.block import MoEBlock, aux_loss
-from moecompile.config import MoEConfig
-from moecompile.convert import balanced_kmeans, find_dense_ffns, moeize, parse_layers
-from moecompile.layout import get_layout, moe_blocks
+from moecompile.ir.block import MoEBlock, aux_loss
+from moecompile.ir.config import MoEConfig
+from moecompile.conversion.moeize import balanced_kmeans, find_dense_ffns, moeize, parse_layers
+from moecompile.ir.layout import get_layout, moe_blocks
 
 TOL = 1e-5
 N_LAYERS = 2

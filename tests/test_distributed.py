@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import moecompile
-from moecompile import MoEBlock, MoECompileError, MoEConfig, ep_checkpoint
+from moecompile import MoEBlock, MoECompileError, MoEConfig
+from moecompile.io import ep_checkpoint
 from moecompile import distributed as ep
 from moecompile.cli import main as cli_main
 
@@ -101,10 +102,10 @@ def _block_checks(rank, world, name, config, tokens, degrees, seed, out):
         total = total + (y * g).sum() + (ref.aux_loss if ref.aux_loss is not None else 0.0)
     total.backward()
     with torch.no_grad():  # what the routing did: assignments per expert (before capacity), dropped ones
-        _, ids = moecompile.ops.route(torch.cat(xs) @ ref.router.weight.t(), config.top_k, 0.0, True)
+        _, ids = moecompile.ir.ops.route(torch.cat(xs) @ ref.router.weight.t(), config.top_k, 0.0, True)
         out[f"{name}/tokens_per_expert"] = torch.bincount(ids.flatten(), minlength=config.num_experts).tolist()
         out[f"{name}/dropped"] = sum(
-            int((moecompile.ops.route(x @ ref.router.weight.t(), config.top_k, config.capacity_factor, True)[1]
+            int((moecompile.ir.ops.route(x @ ref.router.weight.t(), config.top_k, config.capacity_factor, True)[1]
                  == config.num_experts).sum()) for x in xs)
     out[f"{name}/tokens_per_rank"] = list(tokens)
     local = config.num_experts // world
@@ -198,7 +199,7 @@ def _model_checks(rank, world, tmp: Path, out):
 
 def _graph_checks(rank, world, out, degree):
     """The graph view: insert_all_to_all on a captured, moeized GPT-2 against the single-process graph."""
-    from moecompile.frontend import capture
+    from moecompile.conversion.frontend import capture
     from moecompile.passes.pipeline import run_pipeline
 
     model = _tiny_gpt2_dense()
@@ -432,7 +433,7 @@ def whole_checkpoint(tmp_path_factory):
 
 
 def _state(directory: Path) -> dict:
-    from moecompile import checkpoint
+    from moecompile.io import checkpoint
 
     return checkpoint.read_tensors(checkpoint.weight_files(directory), progress=False)
 

@@ -94,7 +94,7 @@ def test_gpt2_finetune_random_reduced(tmp_path, capsys):
     assert m and float(m.group(1)) == float(steps[0][1]) and float(m.group(2)) == float(steps[-1][1])
     assert (out_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     model = moecompile.load(out_dir / "checkpoint", progress=False)
-    assert [p for p, _ in moecompile.layout.moe_blocks(model)] == ["transformer.h.0.mlp"]
+    assert [p for p, _ in moecompile.ir.layout.moe_blocks(model)] == ["transformer.h.0.mlp"]
     assert model.config.vocab_size == 256
     logits = model(torch.tensor([list(b"Experts route")]), use_cache=False).logits
     assert logits.shape == (1, 13, 256) and torch.isfinite(logits).all()

@@ -10,12 +10,14 @@ import torch
 from torch import fx, nn
 
 import moecompile
-from moecompile import MoEBlock, MoECompileError, MoEConfig, MoEExperts, fp8, ops
-from moecompile.fp8 import MoEExpertsFP8
-from moecompile.frontend import capture, example_inputs
-from moecompile.kernels import fp8 as K
+from moecompile import MoEBlock, MoECompileError, MoEConfig, MoEExperts
+from moecompile.ir import fp8
+from moecompile.ir import ops
+from moecompile.ir.fp8 import MoEExpertsFP8
+from moecompile.conversion.frontend import capture, example_inputs
+from moecompile.ir import fp8_format as K
 from moecompile.kernels import reference as R
-from moecompile.kernels.activations import expert_activation
+from moecompile.ir.activations import expert_activation
 from moecompile.passes.insert_fp8 import insert_fp8
 from moecompile.passes.pipeline import PassContext, run_pipeline
 
@@ -219,10 +221,10 @@ def moe_llama(experts=4, seed=0, **overrides):
 
 def test_quantize_model_swaps_experts_and_keeps_the_router():
     model = moe_llama()
-    routers = {p: b.router.weight.detach().clone() for p, b in moecompile.layout.moe_blocks(model)}
-    weights = {p: b.experts.w_in.detach().clone() for p, b in moecompile.layout.moe_blocks(model)}
+    routers = {p: b.router.weight.detach().clone() for p, b in moecompile.ir.layout.moe_blocks(model)}
+    weights = {p: b.experts.w_in.detach().clone() for p, b in moecompile.ir.layout.moe_blocks(model)}
     assert fp8.quantize(model) is model
-    blocks = moecompile.layout.moe_blocks(model)
+    blocks = moecompile.ir.layout.moe_blocks(model)
     assert len(blocks) == 2
     for path, block in blocks:
         ex = block.experts
@@ -232,7 +234,7 @@ def test_quantize_model_swaps_experts_and_keeps_the_router():
         assert torch.equal(block.router.weight, routers[path]) and block.router.weight.dtype == torch.float32
         q, s = K.quantize_blocks(weights[path])
         assert torch.equal(bits(ex.w_in), bits(q)) and torch.equal(ex.w_in_scale_inv, s)
-    assert all(e["fp8"] == fp8.FORMAT for e in moecompile.layout.get_layout(model))
+    assert all(e["fp8"] == fp8.FORMAT for e in moecompile.ir.layout.get_layout(model))
     with pytest.raises(MoECompileError, match="already in FP8"):
         fp8.quantize(model)
     with pytest.raises(MoECompileError, match="no MoE blocks"):
@@ -268,9 +270,9 @@ def test_dequantize_gives_trainable_experts_back():
         before = model(ids).logits
     fp8.quantize(model)
     fp8.dequantize(model)
-    block = moecompile.layout.moe_blocks(model)[0][1]
+    block = moecompile.ir.layout.moe_blocks(model)[0][1]
     assert type(block.experts) is MoEExperts and block.experts.w_in.requires_grad
-    assert all("fp8" not in e for e in moecompile.layout.get_layout(model))
+    assert all("fp8" not in e for e in moecompile.ir.layout.get_layout(model))
     out = model(ids).logits
     out.sum().backward()
     assert block.experts.w_in.grad is not None
@@ -522,14 +524,14 @@ def _layer_errors(moe, quantized, batch) -> list[float]:
     bf16-rounded values), bf16 output."""
     inputs = {}
     hooks = [b.register_forward_hook(lambda m, args, out, p=p: inputs.__setitem__(p, args[0]))
-             for p, b in moecompile.layout.moe_blocks(moe)]
+             for p, b in moecompile.ir.layout.moe_blocks(moe)]
     with torch.no_grad():
         moe(**batch)
     for h in hooks:
         h.remove()
     errors = []
     with torch.no_grad():
-        for path, block in moecompile.layout.moe_blocks(quantized):
+        for path, block in moecompile.ir.layout.moe_blocks(quantized):
             x = inputs[path]
             bf16 = copy.deepcopy(moe.get_submodule(path)).bfloat16().float()(x.bfloat16().float()).bfloat16()
             errors.append(rel(block(x), bf16))

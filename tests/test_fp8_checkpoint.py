@@ -10,11 +10,12 @@ import torch
 from safetensors import safe_open
 
 import moecompile
-from moecompile import MoECompileError, fp8
+from moecompile import MoECompileError
+from moecompile.ir import fp8
 from moecompile.cli import main
-from moecompile.fp8 import MoEExpertsFP8
-from moecompile.kernels import fp8 as K
-from moecompile.layout import moe_blocks
+from moecompile.ir.fp8 import MoEExpertsFP8
+from moecompile.ir import fp8_format as K
+from moecompile.ir.layout import moe_blocks
 
 from conftest import make_tiny_model, tiny_token_ids
 

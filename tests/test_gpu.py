@@ -6,7 +6,8 @@ backward, CUDA-graph capture and the absence of host synchronisation.
 import pytest
 import torch
 
-from moecompile import MoEBlock, MoEConfig, ops
+from moecompile import MoEBlock, MoEConfig
+from moecompile.ir import ops
 from moecompile.kernels import cuda as C
 from moecompile.kernels import reference as R
 
@@ -207,7 +208,7 @@ def test_fp8_kernels_match_reference(gated, bias, gemm, block_kernel, tokens, mo
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     e, k, h, i = 4, 2, 256, 384
     w_in, b_in, w_out, b_out = _weights(e, h, i, gated, bias, gen)
-    from moecompile.kernels import fp8 as F
+    from moecompile.ir import fp8_format as F
 
     w_in_q, w_in_s = F.quantize_blocks(w_in)
     w_out_q, w_out_s = F.quantize_blocks(w_out)
@@ -244,7 +245,7 @@ def test_fp8_kernels_match_reference(gated, bias, gemm, block_kernel, tokens, mo
 def test_gluon_fp8_matches_reference_math(counts, hidden, width, activation, gated, bias):
     """kernels/gluon_fp8.py against the reference experts_fp8 (the same block math in float32), groups of any size,
     with 10 input rows past offsets[-1] (dropped assignments: their outputs are unspecified)."""
-    from moecompile.kernels import fp8 as F
+    from moecompile.ir import fp8_format as F
     from moecompile.kernels import gluon_fp8, triton_moe
 
     gen = torch.Generator(device=DEVICE).manual_seed(len(counts) + hidden)
@@ -278,7 +279,7 @@ def test_cutlass_fp8_grouped_gemm_matches_reference_math(counts, hidden, width):
     """kernels/cutlass_fp8.py: one block-scaled grouped GEMM against the dequantised float32 product, groups of any
     size, 10 rows past offsets[-1] (left unspecified)."""
     from moecompile.kernels import cutlass_fp8
-    from moecompile.kernels import fp8 as F
+    from moecompile.ir import fp8_format as F
 
     gen = torch.Generator(device=DEVICE).manual_seed(len(counts) + hidden)
     e = len(counts)
@@ -300,7 +301,7 @@ def test_cutlass_fp8_grouped_gemm_matches_reference_math(counts, hidden, width):
 def test_fp8_block_dispatches_fp8_rows_on_gpu(gemm, block_kernel, monkeypatch):
     """An FP8 MoEBlock end to end on the GPU (tokens quantised before the dispatch, FP8 rows dispatched): close to
     the same block on the reference kernels, no host synchronisation."""
-    from moecompile import fp8
+    from moecompile.ir import fp8
 
     monkeypatch.setattr(C, "FP8_GEMM", gemm)
     monkeypatch.setattr(C, "FP8_BLOCK_KERNEL", block_kernel)

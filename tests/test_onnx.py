@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import moecompile
-from moecompile import MoEBlock, MoECompileError, MoEConfig, cli, models
-from moecompile.onnx_export import contrib_reason, export_onnx, never_drops, token_ids
+from moecompile import MoEBlock, MoECompileError, MoEConfig, cli
+from moecompile.conversion import models
+from moecompile.io.onnx_export import contrib_reason, export_onnx, never_drops, token_ids
 
 ATOL = 1e-4
 H = 16
@@ -112,7 +113,7 @@ def test_capacity_blocks_really_drop(exported_blocks):
         block = model.blocks[name]
         for tokens in (7, 33):
             logits = block.router_logits(_tokens(tokens, tokens))
-            _, ids = moecompile.ops.route(logits, block.config.top_k, block.config.capacity_factor,
+            _, ids = moecompile.ir.ops.route(logits, block.config.top_k, block.config.capacity_factor,
                                           block.config.renormalize)
             assert (ids == block.config.num_experts).any(), (name, tokens)
     ids = torch.topk(model.blocks["capacity_overflow_one_expert"].router_logits(_tokens(33, 33)), 2).indices
@@ -203,7 +204,7 @@ def test_real_minilm_matches_torch(tmp_path):
 
 def test_graph_view_lowers_the_ops_one_by_one(tmp_path):
     """The pass pipeline's graph (moecompile ops on get_attr weights) exports through the translation table."""
-    from moecompile.frontend import capture, example_inputs
+    from moecompile.conversion.frontend import capture, example_inputs
     from moecompile.passes.pipeline import run_pipeline
 
     model = _perturbed("tiny-llama")

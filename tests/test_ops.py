@@ -5,7 +5,7 @@ import torch
 import moecompile
 from moecompile import MoEBlock, MoEConfig
 from moecompile.kernels import reference as R
-from moecompile.runtime import kernel_for, register_kernel, registered_kernels
+from moecompile.runtime.registry import kernel_for, register_kernel, registered_kernels
 from moecompile.runtime import registry
 
 OPS = torch.ops.moecompile
@@ -126,10 +126,10 @@ def test_expert_ffn_keeps_h_only_when_autograd_needs_it(moe_op_log, interleaved)
     d = setup_moe(58, gated=True, dtype=torch.float64, requires_grad=True)
     args = (d["rows"], d["offsets"], d["w_in"], d["b_in"], d["w_out"], d["b_out"], "swiglu_oai", True, interleaved)
     with torch.no_grad(), moe_op_log() as log:
-        moecompile.ops.expert_ffn(*args)
+        moecompile.ir.ops.expert_ffn(*args)
     assert log.names == ["moecompile::experts"]
     with moe_op_log() as log:
-        y = moecompile.ops.expert_ffn(*args)
+        y = moecompile.ir.ops.expert_ffn(*args)
     assert log.names == ["moecompile::experts_train"]
     params = [d[n] for n in ("rows", "w_in", "b_in", "w_out", "b_out")]
     grad_y = randn(d["g"], *y.shape, dtype=torch.float64)
@@ -538,7 +538,7 @@ def test_registry_tests_leave_nothing_behind():
     # runs after the registry tests in file order: no kernel they registered survives the fixture
     assert all(fn.__module__ != __name__ for fn in registered_kernels().values())
     assert kernel_for("combine", "cpu") is registered_kernels().get(("combine", "cpu"), R.combine)
-    assert len(moecompile.ops.MOE_OPS) == 4
+    assert len(moecompile.ir.ops.MOE_OPS) == 4
 
 
 def test_eight_argument_experts_kernels_keep_serving_standard_calls(isolated_registry):

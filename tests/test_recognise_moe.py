@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from hf_moe import FAMILIES, MOE_LAYERS, dynamo_graphs, moe_nodes, tiny_moe, token_ids
 
-from moecompile import MoEBlock, MoEConfig, ops
-from moecompile.frontend import capture
+from moecompile import MoEBlock, MoEConfig
+from moecompile.ir import ops
+from moecompile.conversion.frontend import capture
 from moecompile.passes.fuse_route_dispatch import fuse_route_dispatch
 from moecompile.passes.keep_first_projection import keep_first_projection
 from moecompile.passes.pipeline import GraphCheckError, PassContext, PIPELINES, run_pipeline
@@ -75,7 +76,7 @@ def test_shared_expert_and_its_gate_stay_dense():
 def test_unknown_expert_activation_is_reported_and_left_alone():
     import transformers
 
-    from moecompile.models import TINY_MOE
+    from moecompile.conversion.models import TINY_MOE
 
     config, arch = TINY_MOE["tiny-mixtral"]()
     config.hidden_act = "relu2"  # ReLU squared: not an activation the experts op runs

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import moecompile
 from moecompile import MoEBlock, MoECompileError, MoEConfig
-from moecompile import models
+from moecompile.conversion import models
 from moecompile.cli import main as cli
 from moecompile.stats import as_floats, probe_routing
 from test_block import hand_aux, hidden, make_block, naive_selection

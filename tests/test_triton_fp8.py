@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from moecompile.kernels import fp8 as fp8_math
+from moecompile.ir import fp8_format as fp8_math
 from moecompile.kernels import triton_fp8
-from moecompile.kernels.activations import expert_activation
+from moecompile.ir.activations import expert_activation
 
 
 def _block_quantize(w):

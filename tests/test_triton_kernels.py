@@ -4,7 +4,7 @@ import torch
 
 from moecompile.kernels import reference as R
 from moecompile.kernels import triton_moe
-from moecompile.kernels.activations import expert_activation
+from moecompile.ir.activations import expert_activation
 
 
 def _offsets(counts):

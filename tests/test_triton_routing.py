@@ -48,7 +48,7 @@ def test_dispatch_matches_reference(tokens, experts, top_k):
 
 
 def test_dispatch_moves_fp8_rows():
-    """FP8 dispatch (quantised tokens, moecompile.fp8): the rows keep their bits; odd width, several copy blocks."""
+    """FP8 dispatch (quantised tokens, moecompile.ir.fp8): the rows keep their bits; odd width, several copy blocks."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(21)])
     _check_dispatch((torch.randn(21, 1100, generator=gen) * 50).to(torch.float8_e4m3fn), ids, 16)

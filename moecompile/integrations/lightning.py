@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 
-from ..block import aux_loss
-from ..errors import MoECompileError
-from ..layout import moe_blocks
-from ..stats import routing_metrics, track_routing
+from moecompile.ir.block import aux_loss
+from moecompile.errors import MoECompileError
+from moecompile.ir.layout import moe_blocks
+from moecompile.stats import routing_metrics, track_routing
 
 try:
     import lightning.pytorch as pl

@@ -15,8 +15,8 @@ import time
 
 from torch import nn
 
-from ..errors import MoECompileError
-from ..stats import as_floats, routing_metrics, routing_stats
+from moecompile.errors import MoECompileError
+from moecompile.stats import as_floats, routing_metrics, routing_stats
 
 
 def _mlflow():
@@ -49,7 +49,7 @@ def log_routing_stats(model: nn.Module, step: int | None = None, run_id: str | N
 def log_expert_load_figure(model: nn.Module, artifact_file: str = "expert_load.png", title: str | None = None,
                            run_id: str | None = None) -> None:
     """Log the expert-load bar charts of every block's last forward as a PNG artifact (needs matplotlib)."""
-    from ..plot import expert_load_figure
+    from moecompile.plot import expert_load_figure
 
     mlflow = _mlflow()
     figure = expert_load_figure(routing_stats(model), title or f"{type(model).__name__}: expert load per block")

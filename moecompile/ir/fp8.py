@@ -4,7 +4,7 @@ per token per 128 channels on the fly, router untouched (float32 logits and rout
     model = moecompile.quantize_fp8(model)      # every MoEBlock's experts -> MoEExpertsFP8, in place
     moecompile.save(model, "minilm-moe8-fp8")   # F8_E4M3 tensors + float32 scale_inv, quantization_config
     model = moecompile.load("minilm-moe8-fp8")  # rebuilt as FP8 from the moe section
-    model = moecompile.fp8.dequantize(model)    # back to MoEExperts (e.g. to train)
+    model = moecompile.ir.fp8.dequantize(model)    # back to MoEExperts (e.g. to train)
 
 A block's forward becomes route -> quantize_fp8 -> dispatch (FP8 rows, their scales gathered beside them) ->
 experts_fp8 -> combine. Scale conventions (DeepSeek-V3 / HF FineGrainedFP8: x ≈ x_fp8 * scale_inv,
@@ -16,11 +16,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import layout, ops
-from .block import MoEBlock, MoEExperts
-from .config import MoEConfig
-from .errors import MoECompileError
-from .kernels.fp8 import (ACT_GROUP, FP8, WEIGHT_BLOCK, cdiv, dequantize_blocks, dequantize_groups,
+from moecompile.ir import layout
+from moecompile.ir import ops
+from moecompile.ir.block import MoEBlock, MoEExperts
+from moecompile.ir.config import MoEConfig
+from moecompile.errors import MoECompileError
+from moecompile.ir.fp8_format import (ACT_GROUP, FP8, WEIGHT_BLOCK, cdiv, dequantize_blocks, dequantize_groups,
                           quantize_blocks, quantize_groups)
 
 __all__ = ["MoEExpertsFP8", "quantize", "dequantize", "quantize_weight", "quantization_config", "FORMAT",

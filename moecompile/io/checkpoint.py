@@ -21,8 +21,8 @@ from safetensors.torch import save_model
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import layout
-from .errors import MoECompileError
+from moecompile.ir import layout
+from moecompile.errors import MoECompileError
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -56,7 +56,7 @@ def save(model: nn.Module, directory: str | os.PathLike, tokenizer_dir: str | os
          extra_files: dict[str, bytes] | None = None) -> Path:
     """Write model (converted by moeize) to directory, atomically; extra_files (name -> bytes, e.g. a
     calibration report) are written beside the weights inside the same atomic step."""
-    from .distributed import is_distributed
+    from moecompile.distributed import is_distributed
 
     if is_distributed(model):
         raise MoECompileError("this model's experts are sharded over ranks: save it with moecompile.distributed.save")
@@ -80,7 +80,7 @@ def save(model: nn.Module, directory: str | os.PathLike, tokenizer_dir: str | os
         bar.update()
         config["moe"] = {"format_version": layout.FORMAT_VERSION, "blocks": blocks}
         if any("fp8" in b for b in blocks):
-            from .fp8 import quantization_config
+            from moecompile.ir.fp8 import quantization_config
 
             config["quantization_config"] = quantization_config(model)
         write_config(tmp, config)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from .block import MoEBlock
-from .config import MoEConfig
-from .errors import MoECompileError
+from moecompile.ir.block import MoEBlock
+from moecompile.ir.config import MoEConfig
+from moecompile.errors import MoECompileError
 
 LAYOUT_ATTR = "moe_layout"
 FORMAT_VERSION = 1
@@ -38,8 +38,8 @@ def annotate(model: nn.Module, path: str, **fields) -> None:
 
 def apply_layout(model: nn.Module, layout: list[dict]) -> nn.Module:
     """Put freshly initialised MoEBlocks (and Identities) where `layout` says: the skeleton that load() fills.
-    An entry with an "fp8" field gets FP8 experts (moecompile.fp8)."""
-    from . import fp8  # fp8 records its blocks through this module
+    An entry with an "fp8" field gets FP8 experts (moecompile.ir.fp8)."""
+    from moecompile import fp8  # fp8 records its blocks through this module
 
     for entry in layout:
         try:

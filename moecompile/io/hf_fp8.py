@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from . import checkpoint
-from .errors import MoECompileError
-from .fp8 import WEIGHT_BLOCK, quantization_config, quantize_blocks
+from moecompile.io import checkpoint
+from moecompile.errors import MoECompileError
+from moecompile.ir.fp8 import WEIGHT_BLOCK, quantization_config, quantize_blocks
 
 EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")  # one expert's projection, as HF 5 saves it
 NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")  # weights: rewritten or never read

@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from torch import fx, nn
 
-from .block import MoEBlock
-from .config import MoEConfig
-from .errors import MoECompileError
-from .layout import moe_blocks
+from moecompile.ir.block import MoEBlock
+from moecompile.ir.config import MoEConfig
+from moecompile.errors import MoECompileError
+from moecompile.ir.layout import moe_blocks
 
 OPSET = 20  # Gelu(approximate=...) is an ONNX op from opset 20
 CONTRIB_OP = "com.microsoft::MoE"

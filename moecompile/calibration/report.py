@@ -9,11 +9,11 @@ import time
 
 import torch
 
-from . import calib_data
-from .block import MoEBlock
-from .calibrate import (CalibConfig, _outputs, calibrate_model, default_shared_experts, ffn_flops, load_tokenizer,
+from moecompile.calibration import data as calib_data
+from moecompile.ir.block import MoEBlock
+from moecompile.calibration.calibrate import (CalibConfig, _outputs, calibrate_model, default_shared_experts, ffn_flops, load_tokenizer,
                         quality_curve, token_batches)
-from .errors import MoECompileError
+from moecompile.errors import MoECompileError
 
 log = logging.getLogger("moecompile")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .errors import MoECompileError
-from .kernels.activations import activation as activation_fn  # noqa: F401  (the one definition)
+from moecompile.errors import MoECompileError
+from moecompile.ir.activations import activation as activation_fn  # noqa: F401  (the one definition)
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 ACTIVATION_ALIASES = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "swish": "silu"}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torch import nn
 
-from .errors import MoECompileError
+from moecompile.errors import MoECompileError
 
 log = logging.getLogger("moecompile")
 

@@ -42,12 +42,13 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import layout, ops
-from .block import MoEBlock
-from .config import MoEConfig
-from .convert import DenseFFN, balanced_kmeans, build_block, find_dense_ffns, parse_layers
-from .errors import MoECompileError
-from .kernels.activations import expert_activation
+from moecompile.ir import layout
+from moecompile.ir import ops
+from moecompile.ir.block import MoEBlock
+from moecompile.ir.config import MoEConfig
+from moecompile.conversion.moeize import DenseFFN, balanced_kmeans, build_block, find_dense_ffns, parse_layers
+from moecompile.errors import MoECompileError
+from moecompile.ir.activations import expert_activation
 
 log = logging.getLogger("moecompile")
 

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
-from .config import MoEConfig
-from .kernels.activations import expert_activation
+from moecompile.ir import ops
+from moecompile.ir.config import MoEConfig
+from moecompile.ir.activations import expert_activation
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

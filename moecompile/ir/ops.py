@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from moecompile.errors import MoECompileError
-from moecompile.runtime import kernel_for
+from moecompile.runtime.registry import kernel_for
 from moecompile.runtime.registry import reference_kernel
 
 
@@ -414,7 +414,7 @@ def _(x, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_in
 def _no_backward(op_name: str):
     def backward(ctx, *grads):
         raise MoECompileError(f"moecompile::{op_name} is inference-only (FP8 experts have no backward): run the "
-                              "model under torch.no_grad(), or moecompile.fp8.dequantize(model) to train it")
+                              "model under torch.no_grad(), or moecompile.ir.fp8.dequantize(model) to train it")
     return backward
 
 

@@ -18,11 +18,11 @@ import torch
 from torch import fx, nn
 from tqdm.auto import tqdm
 
-from . import layout
-from .block import MoEBlock
-from .config import MoEConfig
-from .errors import MoECompileError
-from .frontend import capture, module_scopes
+from moecompile.ir import layout
+from moecompile.ir.block import MoEBlock
+from moecompile.ir.config import MoEConfig
+from moecompile.errors import MoECompileError
+from moecompile.conversion.frontend import capture, module_scopes
 from moecompile.passes.find_ffn import TRANSPARENT, FFNMatch, LinearRef, find_ffns
 
 METHODS = ("upcycle", "split")

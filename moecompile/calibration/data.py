@@ -14,7 +14,7 @@ import re
 import sysconfig
 from pathlib import Path
 
-from .errors import MoECompileError
+from moecompile.errors import MoECompileError
 
 HELDOUT_BUCKETS = 10  # one package in HELDOUT_BUCKETS goes to held-out text
 # test suites and demo code hold few prose docstrings and many fixtures; idlelib/turtledemo are GUI code

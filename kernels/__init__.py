@@ -1,1 +1,0 @@
-"""Leaf kernels for the moecompile ops: torch (and later triton) only, no moecompile imports."""

@@ -1,0 +1,1 @@
+"""Calibrated splits (MoEfication-style): partition, fit routers, distill, evaluate."""

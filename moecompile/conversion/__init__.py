@@ -1,0 +1,1 @@
+"""Dense -> MoE conversion: capture the model, find its FFNs, build expert blocks from their weights."""

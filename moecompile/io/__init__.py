@@ -1,0 +1,1 @@
+"""Reading and writing: checkpoints (single-folder, expert-parallel, Hugging Face FP8) and ONNX export."""
