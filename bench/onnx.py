@@ -30,7 +30,7 @@ import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
 import moecompile  # noqa: E402
-from moecompile import models  # noqa: E402
+from moecompile.conversion import models  # noqa: E402
 from moecompile.io.onnx_export import export_onnx, token_ids  # noqa: E402
 
 

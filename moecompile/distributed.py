@@ -358,7 +358,7 @@ def save(model: nn.Module, directory, group: dist.ProcessGroup | None = None, to
     """Write an expert-parallel model from every rank of group into one folder: rank 0 writes config.json and the
     replicated tensors, each rank its own experts file. Collective and all-or-nothing: the folder appears once every
     rank has written; on any failure every rank raises MoECompileError and nothing is left behind."""
-    from moecompile import ep_checkpoint  # (it imports this module)
+    from moecompile.io import ep_checkpoint  # (it imports this module)
 
     group = _group(group)
     if not is_distributed(model):

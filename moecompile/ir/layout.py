@@ -39,7 +39,7 @@ def annotate(model: nn.Module, path: str, **fields) -> None:
 def apply_layout(model: nn.Module, layout: list[dict]) -> nn.Module:
     """Put freshly initialised MoEBlocks (and Identities) where `layout` says: the skeleton that load() fills.
     An entry with an "fp8" field gets FP8 experts (moecompile.ir.fp8)."""
-    from moecompile import fp8  # fp8 records its blocks through this module
+    from moecompile.ir import fp8  # fp8 records its blocks through this module
 
     for entry in layout:
         try:
