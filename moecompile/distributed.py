@@ -37,9 +37,9 @@ from moecompile.ir import layout
 from moecompile.ir import ops
 from moecompile.ir.block import MoEBlock
 from moecompile.errors import MoECompileError
+from moecompile.ir.sharding import EXPERT_TENSORS, local_experts  # noqa: F401  (part of this module's API)
 
 DEFAULT_TIMEOUT_S = 300.0
-EXPERT_TENSORS = ("w_in", "b_in", "w_out", "b_out")  # MoEExperts' parameters, sharded on their first dim
 
 
 def _first_line(e: BaseException) -> str:
@@ -72,16 +72,6 @@ def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         raise MoECompileError("torch.distributed is not initialized: launch with torchrun and call "
                               "moecompile.distributed.init() (or torch.distributed.init_process_group) first")
     return group if group is not None else dist.group.WORLD
-
-
-def local_experts(num_experts: int, world_size: int) -> int:
-    """Experts per rank; E must be a multiple of W (no rank holds a fraction of an expert)."""
-    if num_experts % world_size:
-        why = "fewer experts than ranks" if num_experts < world_size else "experts not divisible by ranks"
-        raise MoECompileError(f"expert parallelism needs the number of experts to be a multiple of the number of "
-                              f"ranks ({why}: {num_experts} experts over {world_size} ranks); use a process group "
-                              f"whose size divides {num_experts}")
-    return num_experts // world_size
 
 
 # ---- the data path ----------------------------------------------------------------------------------------------
@@ -236,6 +226,8 @@ class ExpertParallelMoEBlock(MoEBlock):
     bias and everything else are replicated. Outputs and gradients equal the unsharded block run on each rank's
     tokens; an expert's gradient sums the contributions of every rank's tokens."""
 
+    experts_sharded = True  # checkpoint.save refuses such a model without importing this module
+
     def __init__(self, config, group: dist.ProcessGroup | None = None, overlap_degree: int = 1):
         super().__init__(config)
         self._shard(group, overlap_degree)
@@ -293,7 +285,7 @@ def distribute(model: nn.Module, group: dist.ProcessGroup | None = None, overlap
 
 
 def is_distributed(model: nn.Module) -> bool:
-    return any(isinstance(m, ExpertParallelMoEBlock) for m in model.modules())
+    return any(getattr(m, "experts_sharded", False) for m in model.modules())
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -409,7 +401,7 @@ def load(directory, model: nn.Module | None = None, group: dist.ProcessGroup | N
 
     def read():
         skeleton = model if model is not None else checkpoint.build_skeleton(config, directory)
-        layout.apply_layout(skeleton, moe["blocks"])
+        checkpoint.apply_layout(skeleton, moe["blocks"])
         distribute(skeleton, group, overlap_degree)
         checkpoint.load_state(skeleton, ep_checkpoint.read_rank(directory, rank, world), directory)
         if hasattr(skeleton, "tie_weights"):

@@ -21,7 +21,9 @@ from safetensors.torch import save_model
 from torch import nn
 from tqdm.auto import tqdm
 
-from moecompile.ir import layout
+from moecompile.ir import fp8, layout
+from moecompile.ir.block import MoEBlock
+from moecompile.ir.config import MoEConfig
 from moecompile.errors import MoECompileError
 
 CONFIG = "config.json"
@@ -56,9 +58,7 @@ def save(model: nn.Module, directory: str | os.PathLike, tokenizer_dir: str | os
          extra_files: dict[str, bytes] | None = None) -> Path:
     """Write model (converted by moeize) to directory, atomically; extra_files (name -> bytes, e.g. a
     calibration report) are written beside the weights inside the same atomic step."""
-    from moecompile.distributed import is_distributed
-
-    if is_distributed(model):
+    if any(getattr(block, "experts_sharded", False) for _, block in layout.moe_blocks(model)):
         raise MoECompileError("this model's experts are sharded over ranks: save it with moecompile.distributed.save")
     blocks = layout.get_layout(model)
     with atomic_directory(directory) as tmp, tqdm(total=3, desc="save", unit="step", disable=not progress) as bar:
@@ -124,10 +124,6 @@ def copy_tokenizer(source: str | os.PathLike | None, directory: Path) -> None:
         for name in TOKENIZER_FILES:
             if (Path(source) / name).is_file():
                 shutil.copy2(Path(source) / name, directory / name)
-
-
-def write_config(directory: Path, config: dict) -> None:
-    (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _default_permissions(folder: Path) -> None:
@@ -236,6 +232,27 @@ def read_moe_config(directory: Path) -> tuple[dict, dict]:
     return config, moe
 
 
+def apply_layout(model: nn.Module, layout: list[dict]) -> nn.Module:
+    """Put freshly initialised MoEBlocks (and Identities) where `layout` says: the skeleton that load() fills.
+    An entry with an "fp8" field gets FP8 experts (moecompile.ir.fp8)."""
+    for entry in layout:
+        try:
+            model.get_submodule(entry["path"])
+            for p in entry.get("identity", []):
+                model.get_submodule(p)
+        except AttributeError as e:
+            raise MoECompileError(f"MoE layout does not fit this model: {e}") from None
+        block = MoEBlock(MoEConfig.from_dict(entry["config"]))
+        if "fp8" in entry:
+            fp8.check_format(entry["fp8"], f"MoE block {entry['path']}")
+            block.experts = fp8.MoEExpertsFP8.empty(block.config)
+        model.set_submodule(entry["path"], block)
+        for p in entry.get("identity", []):
+            model.set_submodule(p, nn.Identity())
+    object.__setattr__(model, layout.LAYOUT_ATTR, [dict(e) for e in layout])
+    return model
+
+
 def load(directory: str | os.PathLike, model: nn.Module | None = None, progress: bool = True) -> nn.Module:
     """Load a checkpoint written by save(). Pass `model` (a dense skeleton) for non-HF models."""
     directory = Path(directory)
@@ -248,7 +265,7 @@ def load(directory: str | os.PathLike, model: nn.Module | None = None, progress:
     tensors = read_tensors(weight_files(directory), progress)
     if model is None:
         model = build_skeleton(config, directory)
-    layout.apply_layout(model, moe["blocks"])
+    apply_layout(model, moe["blocks"])
     load_state(model, tensors, directory)
     if hasattr(model, "tie_weights"):
         model.tie_weights()

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from moecompile.io import checkpoint
 from moecompile.ir import layout
-from moecompile.distributed import EXPERT_TENSORS, local_experts
+from moecompile.ir.sharding import EXPERT_TENSORS, local_experts
 from moecompile.errors import MoECompileError
 
 EP_KEY = "expert_parallel"

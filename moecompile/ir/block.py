@@ -55,6 +55,8 @@ class MoEBlock(nn.Module):
     device tensors (no host sync) that `moecompile.routing_stats(model)` reads.
     """
 
+    experts_sharded = False  # True where expert parallelism holds only this rank's experts
+
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.config = config

@@ -11,7 +11,6 @@ from torch import nn
 
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import MoEConfig
-from moecompile.errors import MoECompileError
 
 LAYOUT_ATTR = "moe_layout"
 FORMAT_VERSION = 1
@@ -34,29 +33,6 @@ def annotate(model: nn.Module, path: str, **fields) -> None:
         if e["path"] == path:
             entries[i] = {k: v for k, v in {**e, **fields}.items() if v is not None}
     object.__setattr__(model, LAYOUT_ATTR, entries)
-
-
-def apply_layout(model: nn.Module, layout: list[dict]) -> nn.Module:
-    """Put freshly initialised MoEBlocks (and Identities) where `layout` says: the skeleton that load() fills.
-    An entry with an "fp8" field gets FP8 experts (moecompile.ir.fp8)."""
-    from moecompile.ir import fp8  # fp8 records its blocks through this module
-
-    for entry in layout:
-        try:
-            model.get_submodule(entry["path"])
-            for p in entry.get("identity", []):
-                model.get_submodule(p)
-        except AttributeError as e:
-            raise MoECompileError(f"MoE layout does not fit this model: {e}") from None
-        block = MoEBlock(MoEConfig.from_dict(entry["config"]))
-        if "fp8" in entry:
-            fp8.check_format(entry["fp8"], f"MoE block {entry['path']}")
-            block.experts = fp8.MoEExpertsFP8.empty(block.config)
-        model.set_submodule(entry["path"], block)
-        for p in entry.get("identity", []):
-            model.set_submodule(p, nn.Identity())
-    object.__setattr__(model, LAYOUT_ATTR, [dict(e) for e in layout])
-    return model
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, MoEBlock]]:

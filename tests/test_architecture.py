@@ -1,0 +1,90 @@
+"""The dependency rules of the source tree, checked on its import statements (read with ast, nothing imported).
+
+    python -m pytest tests/test_architecture.py     # the command that checks the rules below
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# source folder -> the package it installs as (pyproject's package-dir)
+FOLDERS = {"moecompile": "moecompile", "kernels": "moecompile.kernels", "passes": "moecompile.passes",
+           "runtime": "moecompile.runtime", "examples": "moecompile.examples"}
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for folder, package in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def _imported(module: str, path: Path, modules: dict[str, Path]):
+    """(imported module of this tree, the ast node) for every import in the file, function-level ones included."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                yield name, node
+
+
+@pytest.fixture(scope="module")
+def graph() -> nx.DiGraph:
+    modules = _modules()
+    g = nx.DiGraph()
+    for module, path in modules.items():
+        g.add_node(module, path=path)
+        for target, node in _imported(module, path, modules):
+            g.add_edge(module, target, line=node.lineno)
+    return g
+
+
+def test_tree_is_read(graph):
+    assert {"moecompile.ir.ops", "moecompile.kernels.reference", "moecompile.passes.pipeline",
+            "moecompile.runtime.registry"} <= set(graph)
+
+
+def test_no_import_cycles(graph):
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_kernels_are_imported_by_the_runtime_only(graph):
+    wrong = [f"{src} (line {graph.edges[src, dst]['line']}) imports {dst}" for src, dst in graph.edges
+             if dst.startswith("moecompile.kernels.")
+             and not src.startswith(("moecompile.kernels.", "moecompile.runtime."))]
+    assert not wrong, wrong
+
+
+def test_kernels_are_leaves(graph):
+    """Kernels import other kernels and the leaf definitions they share (activations, FP8 formats, settings)."""
+    leaves = {"moecompile.ir.activations", "moecompile.ir.fp8_format", "moecompile.settings"}
+    for leaf in leaves & set(graph):
+        assert not [dst for dst in graph.successors(leaf)], f"{leaf} must import nothing of moecompile"
+    wrong = [f"{src} imports {dst}" for src, dst in graph.edges
+             if src.startswith("moecompile.kernels.") and not dst.startswith("moecompile.kernels.")
+             and dst not in leaves]
+    assert not wrong, wrong
+
+
+def test_passes_never_import_kernels_or_runtime(graph):
+    wrong = [f"{src} imports {dst}" for src, dst in graph.edges if src.startswith("moecompile.passes.")
+             and dst.startswith(("moecompile.kernels.", "moecompile.runtime."))]
+    assert not wrong, wrong
