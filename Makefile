@@ -1,11 +1,12 @@
 # make demo: create the environment, install, convert the packaged all-MiniLM-L6-v2 into an MoE model, summarise.
 # make test: create the environment if needed and run the test suite.
+# make lint: ruff (style, import order, 120 columns) over the tree.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT := build/demo/minilm-moe8
 
-.PHONY: install demo test test-slow clean
+.PHONY: install demo test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +25,9 @@ demo: install
 test: install
 	# one thread per worker: two workers on two cores, no oversubscription
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 -m "not gpu" --durations=15
+
+lint: install
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf $(VENV) build

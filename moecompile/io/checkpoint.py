@@ -232,10 +232,10 @@ def read_moe_config(directory: Path) -> tuple[dict, dict]:
     return config, moe
 
 
-def apply_layout(model: nn.Module, layout: list[dict]) -> nn.Module:
-    """Put freshly initialised MoEBlocks (and Identities) where `layout` says: the skeleton that load() fills.
+def apply_layout(model: nn.Module, entries: list[dict]) -> nn.Module:
+    """Put freshly initialised MoEBlocks (and Identities) where the layout `entries` say: the skeleton that load() fills.
     An entry with an "fp8" field gets FP8 experts (moecompile.ir.fp8)."""
-    for entry in layout:
+    for entry in entries:
         try:
             model.get_submodule(entry["path"])
             for p in entry.get("identity", []):
@@ -249,7 +249,7 @@ def apply_layout(model: nn.Module, layout: list[dict]) -> nn.Module:
         model.set_submodule(entry["path"], block)
         for p in entry.get("identity", []):
             model.set_submodule(p, nn.Identity())
-    object.__setattr__(model, layout.LAYOUT_ATTR, [dict(e) for e in layout])
+    object.__setattr__(model, layout.LAYOUT_ATTR, [dict(e) for e in entries])
     return model
 
 
