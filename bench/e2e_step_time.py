@@ -10,10 +10,12 @@ import time
 
 import torch
 
-from moecompile.conversion import models
+from moecompile.calibration.calibrate import calibrate_model
+from moecompile.calibration.config import CalibConfig, default_shared_experts
+from moecompile.calibration.e2e import distill_end_to_end
 from moecompile.calibration.report import calibration_texts
-from moecompile.calibration.calibrate import (CalibConfig, _last_hidden, calibrate_model, default_shared_experts,
-                                  distill_end_to_end, load_tokenizer, token_batches)
+from moecompile.calibration.tokens import last_hidden, load_tokenizer, token_batches
+from moecompile.conversion import models
 
 
 def main():
@@ -26,7 +28,7 @@ def main():
     model = source.model.eval()
     batches = token_batches(load_tokenizer(source.directory, model), calibration_texts("stdlib"), a.tokens, seed=0)
     with torch.no_grad():
-        targets = [_last_hidden(model, b) for b in batches]
+        targets = [last_hidden(model, b) for b in batches]
     cfg = CalibConfig(experts=16, top_k=8, shared_experts=default_shared_experts(8))
     calibrate_model(model, batches, cfg, progress=False)
     bf16 = cfg.use_bf16(torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""Issue 6: is the end-to-end stage of the calibrated split limited by its data? One layer-wise stage (the default
+"""Is the end-to-end stage of the calibrated split limited by its data? One layer-wise stage (the default
 recipe at top_k 8 on all-MiniLM-L6-v2), then variants of the end-to-end stage on copies of that model, each scored
 on held-out sentences and on calibration batches it trained on.
 
@@ -11,7 +11,7 @@ Variants (all 1200 Adam steps, one-cycle lr 3e-4, first third of the blocks froz
 - crops: the calibration batches and as many batches of random 50-90% word spans of the same sentences;
 - dropout: the model's own dropout (p 0.1) on during the stage, as a regulariser;
 - layers: + (1 - per-token cosine) of each trained layer's hidden state vs the dense one, LayerNorms trained too.
-Targets of new batches come from the dense model. Results: bench/results/calibrated-split.md (ninth round).
+Targets of new batches come from the dense model. Results: bench/results/calibrated-split.md.
 """
 import argparse
 import copy
@@ -26,12 +26,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from moecompile.calibration import data as calib_data
+from moecompile.calibration.calibrate import calibrate_model
+from moecompile.calibration.config import CalibConfig
+from moecompile.calibration.distill import ADAM_OPTIONS, one_cycle
+from moecompile.calibration.e2e import distill_end_to_end, embedding_loss
+from moecompile.calibration.evaluate import model_outputs, quality
+from moecompile.calibration.masked import masked_forward
+from moecompile.calibration.report import calibration_texts
+from moecompile.calibration.tokens import last_hidden, load_tokenizer, model_kwargs, token_batches
 from moecompile.conversion import models
 from moecompile.ir.block import MoEBlock
-from moecompile.calibration.report import calibration_texts
-from moecompile.calibration.calibrate import (_ADAM, CalibConfig, _embedding_loss, _last_hidden, _model_kwargs, _one_cycle,
-                                  _outputs, calibrate_model, distill_end_to_end, load_tokenizer, masked_forward,
-                                  quality, token_batches)
 
 
 def package_sentences(names=("torch", "transformers")) -> list[str]:
@@ -55,9 +59,9 @@ def crops(texts: list[str], seed: int = 5) -> list[str]:
 
 def layer_loss_stage(model, dense, batches, targets, steps: int, first: int = 2):
     """distill_end_to_end's stage with a per-layer hidden-state loss and trainable LayerNorms (no frozen-prefix
-    cache): the idea measured on a small proxy in the second round, here at full size."""
+    cache)."""
     with torch.no_grad():
-        hidden = [[h.float() for h in dense(**_model_kwargs(dense, b), output_hidden_states=True).hidden_states[
+        hidden = [[h.float() for h in dense(**model_kwargs(dense, b), output_hidden_states=True).hidden_states[
             first + 1:-1]] for b in batches]
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     layers = model.encoder.layer[first:]
@@ -70,14 +74,14 @@ def layer_loss_stage(model, dense, batches, targets, steps: int, first: int = 2)
     for b in blocks:
         b.forward = functools.partial(
             lambda b, x, **_: masked_forward(b, x.reshape(-1, x.shape[-1]), b.config.top_k).reshape(x.shape), b)
-    opt = torch.optim.Adam(params, lr=3e-4, **_ADAM)
-    sched = _one_cycle(opt, 3e-4, steps)
+    opt = torch.optim.Adam(params, lr=3e-4, **ADAM_OPTIONS)
+    sched = one_cycle(opt, 3e-4, steps)
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
         i = int(torch.randint(len(batches), (1,), generator=gen))
         mask = batches[i]["attention_mask"].bool()
-        states = model(**_model_kwargs(model, batches[i]), output_hidden_states=True).hidden_states
-        loss = _embedding_loss(states[-1].float(), targets[i], mask)
+        states = model(**model_kwargs(model, batches[i]), output_hidden_states=True).hidden_states
+        loss = embedding_loss(states[-1].float(), targets[i], mask)
         for h, t in zip(states[first + 1:-1], hidden[i]):
             loss = loss + (1 - F.cosine_similarity(h[mask].float(), t[mask], dim=-1).mean()) / len(hidden[i])
         opt.zero_grad(set_to_none=True)
@@ -105,7 +109,7 @@ def main():
     texts = calibration_texts("stdlib")
     calib = token_batches(tokenize, texts, a.tokens)
     trained_on = calib[::24]
-    dense_held, dense_trained = _outputs(dense, held), _outputs(dense, trained_on)
+    dense_held, dense_trained = model_outputs(dense, held), model_outputs(dense, trained_on)
     start = time.perf_counter()
     layerwise = copy.deepcopy(dense)
     calibrate_model(layerwise, calib, cfg, progress=False)
@@ -113,7 +117,7 @@ def main():
 
     def targets_of(batches):
         with torch.no_grad():
-            return [_last_hidden(dense, b) for b in batches]
+            return [last_hidden(dense, b) for b in batches]
 
     def e2e(model, batches, targets, **kw):
         distill_end_to_end(model, batches, targets, a.steps, cfg.e2e_lr, 0, False, False, cfg.e2e_frozen_fraction,

@@ -150,9 +150,10 @@ def convert(a) -> int:
     dense_out = _probe_output(model, probe_args, probe_kwargs)
     extra = {}
     if a.calib is not None:
+        from moecompile.calibration.config import CalibRun
         from moecompile.calibration.report import run_calibration
 
-        extra = run_calibration(model, source.directory, a, progress)
+        extra = run_calibration(model, source.directory, CalibRun.from_args(a), progress)
     else:
         moeize(model, experts=a.experts, top_k=a.top_k, capacity_factor=a.capacity_factor, method=a.method,
                layers=a.layers, noise=a.noise, seed=a.seed, progress=progress)

@@ -8,8 +8,17 @@ import torch
 import moecompile
 from moecompile import MoEBlock, MoECompileError, MoEConfig
 from moecompile.calibration import calibrate as C
-from moecompile.conversion import models
+from moecompile.calibration import config as CF
+from moecompile.calibration import dense as DN
+from moecompile.calibration import e2e as E2E
+from moecompile.calibration import evaluate as EV
+from moecompile.calibration import masked as M
+from moecompile.calibration import partition as P
+from moecompile.calibration import router as R
+from moecompile.calibration import shared as S
+from moecompile.calibration import tokens as T
 from moecompile.cli import main
+from moecompile.conversion import models
 from moecompile.conversion.moeize import find_dense_ffns
 
 
@@ -46,7 +55,7 @@ def option_block(**kw):
 def test_masked_forward_equals_block_forward(kw, k):
     block = option_block(**kw)
     x = torch.randn(13, 8, generator=gen(2))
-    torch.testing.assert_close(C.masked_forward(block, x, k), block(x, top_k=k), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(M.masked_forward(block, x, k), block(x, top_k=k), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kw", [{}, {"gated": True, "shared_expert_size": 0}, {"gate_weighting": "router"}])
@@ -59,9 +68,9 @@ def test_sparse_and_dense_routed_experts_agree_with_gradients(kw, k):
         block.router.bias[0] += 20.0
     x = torch.randn(13, 8, generator=gen(2))
     results = []
-    for routed in (C._routed_sparse, C._routed_dense):
+    for routed in (M.routed_sparse, M.routed_dense):
         block.zero_grad()
-        out = C.masked_forward(block, x, k, routed)
+        out = M.masked_forward(block, x, k, routed)
         out.square().sum().backward()
         results.append((out.detach(), {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}))
     (sparse, sparse_grads), (dense, dense_grads) = results
@@ -75,7 +84,7 @@ def test_masked_forward_under_bf16_autocast():
     block = option_block(num_experts=8)
     x = torch.randn(13, 8, generator=gen(2))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = C.masked_forward(block, x, 1)  # the sparse way (1 of 8)
+        got = M.masked_forward(block, x, 1)  # the sparse way (1 of 8)
     torch.testing.assert_close(got.float(), block(x, top_k=1), atol=0.1, rtol=0.05)
 
 
@@ -83,11 +92,11 @@ def test_compensation_is_added_for_skipped_experts_only():
     block = option_block(shared_expert_size=0)
     x = torch.randn(9, 8, generator=gen(3))
     with torch.no_grad():
-        plain = C.with_config(block, compensation=False)(x, top_k=1)
+        plain = S.with_config(block, compensation=False)(x, top_k=1)
         ids = block.router_logits(x).topk(1, dim=1).indices.flatten()
         skipped = block.compensation.sum(0) - block.compensation[ids]
     torch.testing.assert_close(block(x, top_k=1), plain + skipped, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(block(x, top_k=4), C.with_config(block, compensation=False)(x, top_k=4))
+    torch.testing.assert_close(block(x, top_k=4), S.with_config(block, compensation=False)(x, top_k=4))
 
 
 def test_top_k_zero_only_with_a_shared_expert():
@@ -102,15 +111,15 @@ def test_top_k_zero_only_with_a_shared_expert():
 def test_checkpoint_round_trip_keeps_new_options(tmp_path):
     model = tiny()
     ffns, _ = find_dense_ffns(model)
-    cfg = C.CalibConfig(experts=4, top_k=2, shared_experts=1, distill_steps=3, batch_tokens=64)
-    batches = C.token_batches(C.ByteTokenizer(model.config.vocab_size), ["some calibration text here"] * 40, 500)
+    cfg = CF.CalibConfig(experts=4, top_k=2, shared_experts=1, distill_steps=3, batch_tokens=64)
+    batches = T.token_batches(T.ByteTokenizer(model.config.vocab_size), ["some calibration text here"] * 40, 500)
     C.calibrate_model(model, batches, cfg, progress=False)
     moecompile.save(model, tmp_path / "ck", progress=False)
     loaded = moecompile.load(tmp_path / "ck", progress=False)
     ids = torch.randint(0, 1000, (2, 7), generator=gen(5))
     for k in (1, 2, 3):
-        C._set_top_k(model, k)
-        C._set_top_k(loaded, k)
+        EV.set_top_k(model, k)
+        EV.set_top_k(loaded, k)
         with torch.no_grad():
             torch.testing.assert_close(loaded(ids).last_hidden_state, model(ids).last_hidden_state)
     blocks = [m for m in loaded.modules() if isinstance(m, MoEBlock)]
@@ -121,19 +130,19 @@ def test_checkpoint_round_trip_keeps_new_options(tmp_path):
 @pytest.mark.parametrize("name", ["tiny-bert", "tiny-gpt2"])
 def test_split_exact_at_top_k_equals_experts_without_compensation(name):
     ffn, x = ffn_and_inputs(name)
-    groups = C.partition_neurons(C.contribution_features(ffn, x), 4, "kmeans", 0)
-    block = C.split_block(ffn, groups, None, 4, 0.0, compensation=False)
-    C.fit_router_and_compensation(block, x, 2, 1e-3)
-    torch.testing.assert_close(block(x, top_k=4), C.ffn_output(ffn, x), atol=1e-5, rtol=1e-4)
+    groups = P.partition_neurons(P.contribution_features(ffn, x), 4, "kmeans", 0)
+    block = P.split_block(ffn, groups, None, 4, 0.0, compensation=False)
+    R.fit_router_and_compensation(block, x, 2, 1e-3)
+    torch.testing.assert_close(block(x, top_k=4), DN.ffn_output(ffn, x), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("groups", [8, 12])  # 12: bisections into unequal halves (1/3 and 2/3)
 @pytest.mark.parametrize("method", ["kmeans", "graph", "random", "weights"])
 def test_partitions_are_balanced_and_deterministic(method, groups):
     ffn, x = ffn_and_inputs()
-    feats = C.contribution_features(ffn, x)[:192]
-    a = C.partition_neurons(feats, groups, method, seed=3)
-    b = C.partition_neurons(feats, groups, method, seed=3)
+    feats = P.contribution_features(ffn, x)[:192]
+    a = P.partition_neurons(feats, groups, method, seed=3)
+    b = P.partition_neurons(feats, groups, method, seed=3)
     assert [len(g) for g in a] == [192 // groups] * groups
     assert torch.equal(torch.cat(a).sort().values, torch.arange(192))
     assert all(torch.equal(g, h) for g, h in zip(a, b))
@@ -141,7 +150,7 @@ def test_partitions_are_balanced_and_deterministic(method, groups):
 
 def test_partition_rejects_uneven_split():
     with pytest.raises(MoECompileError):
-        C.partition_neurons(torch.randn(10, 3), 4, "kmeans")
+        P.partition_neurons(torch.randn(10, 3), 4, "kmeans")
 
 
 @pytest.mark.parametrize("name", ["tiny-bert", "tiny-gpt2", "tiny-llama"])
@@ -149,12 +158,12 @@ def test_collected_ffn_outputs_are_the_dense_ffn_outputs(name):
     model = tiny(name)
     ffns = find_dense_ffns(model)[0]
     texts = [f"text {i} " * (i % 7 + 1) for i in range(20)]
-    batches = C.token_batches(C.ByteTokenizer(model.config.vocab_size), texts, 10**6, batch=8)
+    batches = T.token_batches(T.ByteTokenizer(model.config.vocab_size), texts, 10**6, batch=8)
     paths = tuple(f.identity[0] if f.identity else f.owner for f in ffns)
-    inputs, outputs = C.collect_ffn_inputs(model, [f.owner for f in ffns], batches, progress=False, outputs=paths)
+    inputs, outputs = T.collect_ffn_inputs(model, [f.owner for f in ffns], batches, progress=False, outputs=paths)
     assert inputs[ffns[0].owner].shape[0] == sum(int(b["attention_mask"].sum()) for b in batches)
     for ffn, path in zip(ffns, paths):  # calibrate_model takes y from this pass instead of computing it again
-        torch.testing.assert_close(outputs[path], C.ffn_output(ffn, inputs[ffn.owner]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(outputs[path], DN.ffn_output(ffn, inputs[ffn.owner]), rtol=1e-5, atol=1e-5)
 
 
 def test_least_squares_router_recovers_planted_relation():
@@ -168,8 +177,8 @@ def test_least_squares_router_recovers_planted_relation():
         block.experts.w_out.zero_()
         block.experts.w_out[:, 0, 0] = 1.0  # ||out_e|| = gelu(w_in_e[0] . x): ~linear for large positive x
         block.experts.w_in[:, 0] *= 20
-    C.fit_router_and_compensation(block, x, 1, ridge=1e-9, rounds=1)
-    target = C.expert_outputs(block, x).norm(dim=-1)
+    R.fit_router_and_compensation(block, x, 1, ridge=1e-9, rounds=1)
+    target = R.expert_outputs(block, x).norm(dim=-1)
     pred = block.router_logits(x)
     assert (pred - target).abs().max() < 1e-2 * target.abs().max()
 
@@ -178,7 +187,7 @@ def test_least_squares_router_recovers_planted_relation():
 def test_distillation_reduces_ffn_error_and_is_deterministic(bf16, monkeypatch):
     monkeypatch.setattr(C, "FIT_TOKENS", 300)  # least-squares fits and error stats on every 2nd token
     ffn, x = ffn_and_inputs(n=800)
-    cfg = C.CalibConfig(experts=4, top_k=1, distill_steps=60, batch_tokens=256, lr=3e-3, bf16=bf16)
+    cfg = CF.CalibConfig(experts=4, top_k=1, distill_steps=60, batch_tokens=256, lr=3e-3, bf16=bf16)
     b1, s1 = C.calibrated_block(ffn, x, cfg, seed=0, progress=False)
     b2, s2 = C.calibrated_block(ffn, x, cfg, seed=0, progress=False)
     assert s1["calib_relative_error"] < 0.9 * s1["calib_relative_error_before_distill"]
@@ -191,11 +200,11 @@ def _split_with_targets(name: str, sentences: int, tokens: int):
     """(calibration batches, the dense model's last hidden states on them, the layer-wise calibrated split)."""
     dense = tiny(name)
     texts = [f"sentence number {i} says {'abc ' * (i % 5)} and more" for i in range(sentences)]
-    batches = C.token_batches(C.ByteTokenizer(dense.config.vocab_size), texts, tokens, batch=8)
+    batches = T.token_batches(T.ByteTokenizer(dense.config.vocab_size), texts, tokens, batch=8)
     with torch.no_grad():
-        targets = [C._last_hidden(dense, b) for b in batches]
+        targets = [T.last_hidden(dense, b) for b in batches]
     split = copy.deepcopy(dense)
-    C.calibrate_model(split, batches, C.CalibConfig(experts=4, top_k=2, shared_experts=1), progress=False)
+    C.calibrate_model(split, batches, CF.CalibConfig(experts=4, top_k=2, shared_experts=1), progress=False)
     return batches, targets, split
 
 
@@ -205,13 +214,13 @@ def test_end_to_end_distillation_lowers_embedding_loss_and_is_deterministic(name
 
     def loss(model):
         with torch.no_grad():
-            return sum(C._embedding_loss(C._last_hidden(model, b), t, b["attention_mask"].bool()).item()
+            return sum(E2E.embedding_loss(T.last_hidden(model, b), t, b["attention_mask"].bool()).item()
                        for b, t in zip(batches, targets))
 
     runs = []
     for _ in range(2):
         model = copy.deepcopy(split)
-        C.distill_end_to_end(model, batches, targets, steps=40, lr=3e-3, seed=0, progress=False, bf16=bf16)
+        E2E.distill_end_to_end(model, batches, targets, steps=40, lr=3e-3, seed=0, progress=False, bf16=bf16)
         runs.append(model)
     assert loss(runs[0]) < 0.7 * loss(split)
     for p, q in zip(runs[0].state_dict().values(), runs[1].state_dict().values()):
@@ -226,7 +235,7 @@ def test_end_to_end_distillation_leaves_the_frozen_first_blocks_alone(name):
     batches, targets, split = _split_with_targets(name, 24, 1000)
     before = [m for m in split.modules() if isinstance(m, MoEBlock)]
     assert len(before) == 2
-    layers = C._frozen_layers(split, before[1], before[:1])
+    layers = E2E.frozen_layers(split, before[1], before[:1])
     assert len(layers) == 1 and any(m is before[0] for m in layers[0].modules())
     runs = []
     for cache in (True, False):  # the frozen first layer run once per batch, or every step: the same numbers
@@ -235,7 +244,7 @@ def test_end_to_end_distillation_leaves_the_frozen_first_blocks_alone(name):
         hook = next(m for m in model.modules() if isinstance(m, MoEBlock)).register_forward_hook(
             lambda *a: calls.append(1))
         # (10 steps: where OneCycleLR used to divide by zero)
-        C.distill_end_to_end(model, batches, targets, steps=10, lr=3e-3, seed=0, progress=False,
+        E2E.distill_end_to_end(model, batches, targets, steps=10, lr=3e-3, seed=0, progress=False,
                              frozen_fraction=0.5, cache_frozen=cache)
         hook.remove()
         assert (len(calls) < 10) == cache  # cached: the frozen layer ran once per batch drawn
@@ -246,25 +255,25 @@ def test_end_to_end_distillation_leaves_the_frozen_first_blocks_alone(name):
     assert all(torch.equal(p, q) for p, q in zip(before[0].parameters(), after[0].parameters()))  # frozen
     assert not all(torch.equal(p, q) for p, q in zip(before[1].parameters(), after[1].parameters()))  # trained
     with pytest.raises(MoECompileError, match="e2e_frozen_fraction"):
-        C.CalibConfig(experts=4, top_k=2, e2e_frozen_fraction=1.0)
+        CF.CalibConfig(experts=4, top_k=2, e2e_frozen_fraction=1.0)
 
 
 def test_linear_shared_expert_lowers_error_at_same_cost():
     ffn, x = ffn_and_inputs(n=800)
-    base = C.CalibConfig(experts=4, top_k=2)
+    base = CF.CalibConfig(experts=4, top_k=2)
     _, plain = C.calibrated_block(ffn, x, base, seed=0, progress=False)
-    lin = C.CalibConfig(experts=4, top_k=2, shared_experts=1, shared_kind="linear")
+    lin = CF.CalibConfig(experts=4, top_k=2, shared_experts=1, shared_kind="linear")
     block, withlin = C.calibrated_block(ffn, x, lin, seed=0, progress=False)
     assert block.config.shared_linear and block.config.top_k == 1
-    per_expert = C.ffn_flops(block.config, 1) - C.ffn_flops(block.config, 0)
-    assert C.ffn_flops(block.config, 0) == per_expert  # the linear map costs what one routed expert does
+    per_expert = EV.ffn_flops(block.config, 1) - EV.ffn_flops(block.config, 0)
+    assert EV.ffn_flops(block.config, 0) == per_expert  # the linear map costs what one routed expert does
     assert withlin["calib_relative_error"] < plain["calib_relative_error"]
 
 
 def test_default_shared_experts_is_half_of_top_k_at_most_two_routed_and_valid():
-    assert [C.default_shared_experts(k) for k in (1, 2, 3, 4, 5, 8, 16)] == [0, 1, 1, 2, 3, 6, 14]
+    assert [CF.default_shared_experts(k) for k in (1, 2, 3, 4, 5, 8, 16)] == [0, 1, 1, 2, 3, 6, 14]
     for k in range(1, 17):  # a valid config at every top_k
-        C.CalibConfig(experts=16, top_k=k, shared_experts=C.default_shared_experts(k))
+        CF.CalibConfig(experts=16, top_k=k, shared_experts=CF.default_shared_experts(k))
 
 
 def test_stdlib_calibration_text_is_sentences():
@@ -280,7 +289,7 @@ def test_stdlib_calibration_text_is_sentences():
                                 dict(distill_top_k=(0,)), dict(shared_kind="mlp"), dict(e2e_steps=-1)])
 def test_calib_config_validation(kw):
     with pytest.raises(MoECompileError):
-        C.CalibConfig(**{"experts": 4, "top_k": 2, **kw})
+        CF.CalibConfig(**{"experts": 4, "top_k": 2, **kw})
 
 
 @pytest.mark.parametrize("name,metric", [("tiny-bert", "mean_cosine"), ("tiny-gpt2", "perplexity")])
@@ -288,8 +297,8 @@ def test_cli_calibrated_split_writes_report(tmp_path, capsys, name, metric):
     out = tmp_path / "out"
     rc = main(["convert", name, "--random-init", "--experts", "4", "--top-k", "2", "--method", "split",
                "--calib", "stdlib", "--calib-tokens", "600", "--shared-experts", "1", "--distill-steps", "2",
-               "--router-steps", "2", "--e2e-steps", "2", "--eval-sentences", "32", "--capacity-factor", "0", "--out", str(out),
-               "--no-progress"])
+               "--router-steps", "2", "--e2e-steps", "2", "--eval-sentences", "32", "--capacity-factor", "0",
+               "--out", str(out), "--no-progress"])
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     assert (out / "report.png").stat().st_size > 0

@@ -10,17 +10,17 @@ import time
 import torch
 
 from moecompile.calibration import data as calib_data
+from moecompile.calibration.calibrate import calibrate_model
+from moecompile.calibration.config import CalibRun
+from moecompile.calibration.evaluate import ffn_flops, model_outputs, quality_curve
+from moecompile.calibration.tokens import load_tokenizer, token_batches
 from moecompile.ir.block import MoEBlock
-from moecompile.calibration.calibrate import (CalibConfig, _outputs, calibrate_model, default_shared_experts, ffn_flops, load_tokenizer,
-                        quality_curve, token_batches)
-from moecompile.errors import MoECompileError
 
 log = logging.getLogger("moecompile")
 
 
 def calibration_texts(source: str) -> list[str]:
-    """stdlib: single docstring sentences (as good as paragraphs and cheaper per end-to-end step, see
-    bench/results/calibrated-split.md); a FILE: its paragraphs."""
+    """stdlib: single docstring sentences (cheaper per end-to-end step than paragraphs); a FILE: its paragraphs."""
     if source == "stdlib":
         return calib_data.sentences(calib_data.corpus("calib"))
     return calib_data.read_text_file(source)
@@ -70,39 +70,32 @@ def _loads(model, batches) -> dict[str, list[float]]:
                     counts[name] += torch.bincount(ids.flatten(), minlength=mod.config.num_experts).float()
             hooks.append(m.register_forward_pre_hook(hook))
     try:
-        _outputs(model, batches)
+        model_outputs(model, batches)
     finally:
         for h in hooks:
             h.remove()
     return {k: (v / v.sum().clamp_min(1)).tolist() for k, v in counts.items()}
 
 
-def run_calibration(model, directory, a, progress: bool = True) -> dict[str, bytes]:
-    """Calibrate model in place from the CLI arguments; returns the report files to save with the checkpoint."""
-    shared = a.shared_experts if a.shared_experts is not None else default_shared_experts(a.top_k)
-    cfg = CalibConfig(experts=a.experts, top_k=a.top_k, shared_experts=shared, shared_kind=a.shared_kind,
-                      partition=a.partition, router_steps=a.router_steps, distill_steps=a.distill_steps,
-                      e2e_steps=a.e2e_steps,
-                      capacity_factor=a.capacity_factor, seed=a.seed)
-    if a.calib_tokens < 1:
-        raise MoECompileError(f"--calib-tokens must be positive, got {a.calib_tokens}")
+def run_calibration(model, directory, run: CalibRun, progress: bool = True) -> dict[str, bytes]:
+    """Calibrate model in place as `run` says; returns the report files to save with the checkpoint."""
+    cfg = run.recipe
     tokenize = load_tokenizer(directory, model)
     start = time.perf_counter()
-    calib = token_batches(tokenize, calibration_texts(a.calib), a.calib_tokens, seed=a.seed)
+    calib = token_batches(tokenize, calibration_texts(run.source), run.tokens, seed=cfg.seed)
     held = []
-    if a.eval_sentences > 0:
+    if run.eval_sentences > 0:
         sentences = calib_data.sentences(calib_data.corpus("heldout"))
-        held = token_batches(tokenize, sentences, 10**9, seed=a.seed + 1)
-        held = [b for b in held][: max(1, a.eval_sentences // 32)]
-    dense_outs = _outputs(model, held) if held else []
-    rows = calibrate_model(model, calib, cfg, layers=a.layers, progress=progress)
+        held = token_batches(tokenize, sentences, 10**9, seed=cfg.seed + 1)
+        held = [b for b in held][: max(1, run.eval_sentences // 32)]
+    dense_outs = model_outputs(model, held) if held else []
+    rows = calibrate_model(model, calib, cfg, layers=run.layers, progress=progress)
     seconds = time.perf_counter() - start
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     # dense FFN: `experts` expert-equivalents per block
     dense_flops = sum(cfg.experts * (ffn_flops(b.config, 1) - ffn_flops(b.config, 0)) for b in blocks)
-    report = {"model": a.model, "calibration": {"source": a.calib, "tokens": sum(int(b["attention_mask"].sum())
-                                                                                  for b in calib),
-                                                "seconds": seconds},
+    tokens = sum(int(b["attention_mask"].sum()) for b in calib)
+    report = {"model": run.model_name, "calibration": {"source": run.source, "tokens": tokens, "seconds": seconds},
               "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
               "layers": [{k: v for k, v in r.items() if k not in ("groups", "shared")} for r in rows]}
     report["curve"] = quality_curve(model, dense_outs, held, cfg, dense_flops, progress) if held else []

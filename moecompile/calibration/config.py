@@ -1,0 +1,107 @@
+"""Options of a calibrated split: the per-block recipe (CalibConfig) and a whole run's (CalibRun)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moecompile.errors import MoECompileError
+
+PARTITIONS = ("kmeans", "graph", "random", "weights")
+
+
+@dataclass
+class CalibConfig:
+    """How `calibrate` builds each block. top_k and distill_top_k count the shared experts too."""
+    experts: int = 16  # expert-sized groups of neurons per FFN, shared ones included
+    top_k: int = 4  # active experts per token, shared ones included
+    shared_experts: int = 0  # always-on expert-equivalents (top_k counts them)
+    shared_kind: str = "neurons"  # "neurons": the most active neurons; "linear": a linear map of that rank
+    partition: str = "kmeans"
+    compensation: bool = True
+    router_steps: int = 0
+    distill_steps: int = 0
+    distill_top_k: tuple[int, ...] = ()  # top_k values drawn during distillation (default: (top_k,))
+    lr: float = 1e-3
+    batch_tokens: int = 1024
+    ridge: float = 1e-3  # router least squares: relative ridge on the input covariance
+    e2e_steps: int = 0  # end-to-end steps (one calibration batch of sentences each) after the layer-wise stage
+    e2e_lr: float = 3e-4
+    e2e_frozen_fraction: float = 1 / 3  # the end-to-end stage leaves the first third of the blocks as they are
+    bf16: bool | None = None  # distillation matmuls in bfloat16 autocast (weights and losses stay float32);
+    # None: where bfloat16 is native (native_bf16)
+    capacity_factor: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.partition not in PARTITIONS:
+            raise MoECompileError(f"unknown partition {self.partition!r}; expected one of {', '.join(PARTITIONS)}")
+        if not 0 <= self.shared_experts < self.experts:
+            raise MoECompileError(f"shared experts must be between 0 and experts - 1 ({self.experts - 1}), "
+                                  f"got {self.shared_experts}")
+        if not self.shared_experts < self.top_k <= self.experts and not (
+                self.shared_experts and self.top_k == self.shared_experts):
+            raise MoECompileError(f"top_k must be between {max(self.shared_experts, 1)} and experts "
+                                  f"({self.experts}) with {self.shared_experts} shared, got {self.top_k}")
+        for k in self.distill_top_k:
+            if not self.shared_experts < k <= self.experts:
+                raise MoECompileError(f"distillation top_k {k} must be between {self.shared_experts + 1} and "
+                                      f"{self.experts}")
+        if self.shared_kind not in ("neurons", "linear"):
+            raise MoECompileError(f"shared_kind must be 'neurons' or 'linear', got {self.shared_kind!r}")
+        if self.router_steps < 0 or self.distill_steps < 0 or self.e2e_steps < 0:
+            raise MoECompileError("router and distillation steps must be >= 0")
+        if not 0 <= self.e2e_frozen_fraction < 1:
+            raise MoECompileError(f"e2e_frozen_fraction must be in [0, 1), got {self.e2e_frozen_fraction}")
+
+    def use_bf16(self, device: torch.device) -> bool:
+        """Whether the distillation stages run under bfloat16 autocast on device (`bf16`, or where it is native)."""
+        return native_bf16(device) if self.bf16 is None else self.bf16
+
+    @property
+    def routed_experts(self) -> int:  # a linear shared expert takes no neurons away from the routed ones
+        return self.experts - (self.shared_experts if self.shared_kind == "neurons" else 0)
+
+    def routed_k(self, top_k: int) -> int:
+        return top_k - self.shared_experts
+
+
+@dataclass
+class CalibRun:
+    """A whole calibrated conversion (`convert --calib`): where the text comes from, how much of it, which FFNs,
+    how to report, and the per-block recipe."""
+    recipe: CalibConfig
+    source: str = "stdlib"  # "stdlib" (standard-library docstring sentences) or a text file's path
+    tokens: int = 270000  # calibration tokens
+    eval_sentences: int = 256  # held-out sentences for the quality report (0: none)
+    layers: str | None = None  # which FFNs (parse_layers syntax); None: all
+    model_name: str = ""  # what the report calls the model
+
+    def __post_init__(self):
+        if self.tokens < 1:
+            raise MoECompileError(f"--calib-tokens must be positive, got {self.tokens}")
+
+    @classmethod
+    def from_args(cls, a) -> CalibRun:
+        """From `moecompile convert`'s parsed arguments (shared experts default to default_shared_experts)."""
+        shared = a.shared_experts if a.shared_experts is not None else default_shared_experts(a.top_k)
+        recipe = CalibConfig(experts=a.experts, top_k=a.top_k, shared_experts=shared, shared_kind=a.shared_kind,
+                             partition=a.partition, router_steps=a.router_steps, distill_steps=a.distill_steps,
+                             e2e_steps=a.e2e_steps, capacity_factor=a.capacity_factor, seed=a.seed)
+        return cls(recipe=recipe, source=a.calib, tokens=a.calib_tokens, eval_sentences=a.eval_sentences,
+                   layers=a.layers, model_name=a.model)
+
+
+def default_shared_experts(top_k: int) -> int:
+    """The recipe's shared experts for a top_k: half of the active experts always on, at most 2 routed beyond
+    top_k 4 (bench/results/calibrated-split.md)."""
+    return max(top_k // 2, top_k - 2)
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether bfloat16 matmuls are native here (CUDA with bf16, a CPU with AVX512-BF16 or AMX), so faster than
+    float32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and any(getattr(torch.cpu, name, lambda: False)()
+                                        for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
