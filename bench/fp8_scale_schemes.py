@@ -29,7 +29,7 @@ import torch
 import moecompile
 from moecompile.calibration import data as calib_data
 from moecompile.conversion import models
-from moecompile.calibration.calibrate import load_tokenizer, token_batches
+from moecompile.calibration.tokens import load_tokenizer, token_batches
 from moecompile.ir import fp8_format as K
 from moecompile.kernels import reference
 from moecompile.runtime import registry

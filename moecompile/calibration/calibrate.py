@@ -19,7 +19,6 @@ from moecompile.calibration.partition import contribution_features, partition_ne
 from moecompile.calibration.router import fit_router_and_compensation
 from moecompile.calibration.shared import fit_linear_shared
 from moecompile.calibration.tokens import collect_ffn_inputs
-from moecompile.calibration.tokens import load_tokenizer, token_batches  # noqa: F401 - bench/fp8_scale_schemes.py
 from moecompile.conversion.moeize import DenseFFN, find_dense_ffns, parse_layers
 from moecompile.errors import MoECompileError
 from moecompile.ir import layout
