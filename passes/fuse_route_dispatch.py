@@ -12,19 +12,16 @@ import operator
 import torch
 from torch import fx
 
-from moecompile.passes.nodes import call, cast_dtype, kind, moe_op, outputs, same_tensor, strip_casts
+from moecompile.passes.nodes import (arg, call_op, cast_dtype, defaults, kind, moe_op, op_args, outputs, same_tensor,
+                                    strip_casts)
 
-# route's and route_grouped's arguments after the logits, with route_grouped's defaults
-_ROUTING = ("top_k", "capacity_factor", "renormalize", "scoring", "correction_bias", "n_group", "topk_group",
-            "scaling_factor")
-_DEFAULTS = {"scoring": "softmax", "correction_bias": None, "n_group": 1, "topk_group": 1, "scaling_factor": 1.0}
+ROUTE_GROUPED = torch.ops.moecompile.route_grouped.default
+ROUTE_DISPATCH = torch.ops.moecompile.route_dispatch.default
 
 
 def _routing_args(route: fx.Node) -> dict:
-    args = dict(_DEFAULTS)
-    args.update(zip(_ROUTING, route.args[1:]))
-    args.update({k: v for k, v in route.kwargs.items() if k in _ROUTING})
-    return args
+    """route's or route_grouped's arguments after the logits; a plain route's rest are route_grouped's defaults."""
+    return {**defaults(ROUTE_GROUPED), **{k: v for k, v in op_args(route).items() if k != "router_logits"}}
 
 
 def _getitems(node: fx.Node) -> dict[int, fx.Node]:
@@ -33,23 +30,23 @@ def _getitems(node: fx.Node) -> dict[int, fx.Node]:
 
 def _match(dispatch: fx.Node):
     """(route, linear, weight, bias, logits_fp32) if dispatch's ids come from a route over a linear of its rows."""
-    hidden, ids = dispatch.args[0], dispatch.args[1]
+    hidden, ids = arg(dispatch, "hidden"), arg(dispatch, "expert_ids")
     if not (ids.op == "call_function" and ids.target is operator.getitem and ids.args[1] == 1):
         return None
-    route = ids.args[0]
+    route = ids.args[0]  # (getitem's tuple)
     if moe_op(route) not in ("route", "route_grouped"):
         return None
-    linear = route.args[0]
+    linear = arg(route, "router_logits")
     if kind(linear) != "linear":
         return None
-    x, x_fp32 = strip_casts(linear.args[0])
-    weight, w_fp32 = strip_casts(linear.args[1])
-    bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+    x, x_fp32 = strip_casts(arg(linear, "input"))
+    weight, w_fp32 = strip_casts(arg(linear, "weight"))
+    bias = arg(linear, "bias")
     if bias is not None:
         bias, _ = strip_casts(bias)
     base = hidden
     while cast_dtype(base) == torch.float32:  # x.float() on float32 rows is the rows (export keeps the cast)
-        base = base.args[0]
+        base = base.args[0]  # (the tensor a cast converts)
     if not (same_tensor(x, hidden) or same_tensor(x, base)):
         return None
     return route, linear, weight, bias, x_fp32 or w_fp32
@@ -78,9 +75,8 @@ def fuse_route_dispatch(gm: fx.GraphModule, ctx) -> dict:
         meta = {k: dispatch.meta[k] for k in ("nn_module_stack", "stack_trace", "moecompile_block")
                 if k in dispatch.meta}
         with graph.inserting_before(dispatch):
-            node = call(graph, torch.ops.moecompile.route_dispatch.default, dispatch.args[0], weight, bias,
-                        r["top_k"], r["capacity_factor"], r["renormalize"], r["scoring"], r["correction_bias"],
-                        r["n_group"], r["topk_group"], r["scaling_factor"], logits_fp32, meta=meta)
+            node = call_op(graph, ROUTE_DISPATCH, meta, hidden=arg(dispatch, "hidden"), router_weight=weight,
+                           router_bias=bias, **r, logits_fp32=logits_fp32)
             new = outputs(graph, node, 5, meta=meta)
         for i, old in _getitems(route).items():
             old.replace_all_uses_with(new[i])

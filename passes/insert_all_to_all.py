@@ -14,12 +14,10 @@ import torch
 from torch import fx, nn
 
 from moecompile import distributed
-from moecompile.passes.moeize import _inline
-from moecompile.passes.nodes import value
+from moecompile.passes.nodes import inline_graph, op_args, value
 
 EXPERTS = torch.ops.moecompile.experts.default
 EP_EXPERTS = torch.ops.moecompile.expert_parallel_experts.default
-WEIGHTS = dict(zip(("w_in", "b_in", "w_out", "b_out"), (2, 3, 4, 5)))  # argument positions of experts()
 
 
 def _num_experts(gm: fx.GraphModule, node: fx.Node) -> int:
@@ -52,8 +50,10 @@ def insert_all_to_all(gm: fx.GraphModule, ctx) -> dict:
     rank = torch.distributed.get_rank(group)
     rewritten, skipped = [], []
     for n, node in enumerate([n for n in gm.graph.nodes if n.op == "call_function" and n.target is EXPERTS]):
-        rows, offsets, w_in, b_in, w_out, b_out, activation, gated = node.args[:8]
-        if len(node.args) > 8 and (node.args[8] or activation == "swiglu_oai"):  # GPT-OSS's extra arguments
+        a = op_args(node)
+        rows, offsets, w_in, b_in, w_out, b_out = (a[k] for k in ("x", "offsets", "w_in", "b_in", "w_out", "b_out"))
+        activation, gated = a["activation"], a["gated"]
+        if a["interleaved"] or activation == "swiglu_oai":  # GPT-OSS's extra arguments
             skipped.append(f"{node.name}: GPT-OSS experts (interleaved / clamped SwiGLU) have no expert-parallel path")
             continue
         experts = _num_experts(gm, w_in)
@@ -65,7 +65,7 @@ def insert_all_to_all(gm: fx.GraphModule, ctx) -> dict:
                                                           group.group_name, world, local, degree))
             else:
                 sub = distributed.trace_expert_parallel(activation, gated, group.group_name, world, local, degree)
-                out = _inline(gm, sub, f"ep{n}", [rows, offsets, *weights])
+                out = inline_graph(gm, sub, f"ep{n}", [rows, offsets, *weights])
         out.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)

@@ -33,7 +33,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from moecompile.passes.nodes import moe_op, value
+from moecompile.passes.nodes import arg, call_op, moe_op, op_args, set_arg, value
 from moecompile.ir.block import MoEExperts
 from moecompile.ir.fp8 import ACT_GROUP, FP8, MoEExpertsFP8, quantize_blocks, quantize_weight
 
@@ -143,8 +143,8 @@ def _dispatched(x: fx.Node) -> tuple[fx.Node, int] | None:
     """(dispatch node, top_k) when x is the rows of a plain dispatch that nothing else reads, with top_k known."""
     if not (x.op == "call_function" and x.target is operator.getitem and x.args[1] == 0 and len(x.users) == 1):
         return None
-    dispatch = x.args[0]
-    ids = value(dispatch.args[1]) if moe_op(dispatch) == "dispatch" else None
+    dispatch = x.args[0]  # (getitem's tuple)
+    ids = value(arg(dispatch, "expert_ids")) if moe_op(dispatch) == "dispatch" else None
     return (dispatch, int(ids.shape[-1])) if isinstance(ids, torch.Tensor) else None
 
 
@@ -152,7 +152,7 @@ def _quantize_activations(gm: fx.GraphModule, x: fx.Node, experts: fx.Node) -> t
     """(x_fp8, x_scale_inv) nodes for the experts node's input rows x, and where they were quantised."""
     graph = gm.graph
     found = _dispatched(x)
-    source = found[0].args[0] if found else x
+    source = arg(found[0], "hidden") if found else x
     with graph.inserting_before(found[0] if found else experts):
         quant = graph.call_function(QUANTIZE_FP8, (source, ACT_GROUP))
         q, scale_inv = (graph.call_function(operator.getitem, (quant, i)) for i in (0, 1))
@@ -160,7 +160,7 @@ def _quantize_activations(gm: fx.GraphModule, x: fx.Node, experts: fx.Node) -> t
         _propagate([quant, q, scale_inv])
         return q, scale_inv, "rows quantised after the dispatch"
     dispatch, top_k = found
-    dispatch.update_arg(0, q)
+    set_arg(dispatch, "hidden", q)
     with graph.inserting_before(experts):
         order = graph.call_function(operator.getitem, (dispatch, 1))
         token = graph.call_function(torch.ops.aten.div.Scalar_mode, (order, top_k), {"rounding_mode": "floor"})
@@ -177,8 +177,10 @@ def insert_fp8(gm: fx.GraphModule, ctx) -> dict:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not EXPERTS:
             continue
-        x, offsets, w_in, b_in, w_out, b_out, activation, gated = node.args[:8]
-        if len(node.args) > 8 and node.args[8]:  # GPT-OSS interleaved gate/up: no FP8 kernel for it
+        a = op_args(node)
+        x, offsets, w_in, b_in, w_out, b_out = (a[k] for k in ("x", "offsets", "w_in", "b_in", "w_out", "b_out"))
+        activation, gated = a["activation"], a["gated"]
+        if a["interleaved"]:  # GPT-OSS interleaved gate/up: no FP8 kernel for it
             continue
         why = _unsupported(gm, [w_in, w_out])
         if why:
@@ -197,8 +199,9 @@ def insert_fp8(gm: fx.GraphModule, ctx) -> dict:
         before = set(gm.graph.nodes)
         x_fp8, x_scale_inv, dispatched = _quantize_activations(gm, x, node)
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(EXPERTS_FP8, (x_fp8, x_scale_inv, offsets, q_in, s_in, b_in, q_out, s_out,
-                                                       b_out, activation, gated, out_dtype))
+            new = call_op(gm.graph, EXPERTS_FP8, x=x_fp8, x_scale_inv=x_scale_inv, offsets=offsets, w_in=q_in,
+                          w_in_scale_inv=s_in, b_in=b_in, w_out=q_out, w_out_scale_inv=s_out, b_out=b_out,
+                          activation=activation, gated=gated, out_dtype=out_dtype)
         if "nn_module_stack" in node.meta:
             for n in set(gm.graph.nodes) - before:
                 n.meta["nn_module_stack"] = node.meta["nn_module_stack"]

@@ -12,7 +12,9 @@ import warnings
 import torch
 from torch import fx
 
-from moecompile.conversion.moeize import build_block, dense_ffn, parse_layers
+from moecompile.conversion.moeize import build_block, check_ffns, check_options, dense_ffn, parse_layers
+from moecompile.ir import knobs
+from moecompile.passes.nodes import inline_graph
 
 
 def _export_block(block, hidden: fx.Node) -> fx.GraphModule:
@@ -20,24 +22,6 @@ def _export_block(block, hidden: fx.Node) -> fx.GraphModule:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return torch.export.export(block.eval(), (example,), strict=False).module()
-
-
-def _inline(gm: fx.GraphModule, sub: fx.GraphModule, prefix: str, inputs: list[fx.Node]) -> fx.Node:
-    """Copy sub's graph into gm's before the current insertion point; returns the node of sub's output."""
-    env, placeholders = {}, iter(inputs)
-    for node in sub.graph.nodes:
-        if node.op == "placeholder":
-            env[node] = next(placeholders)
-        elif node.op == "get_attr":
-            env[node] = gm.graph.get_attr(f"{prefix}.{node.target}")
-        elif node.op == "call_module":  # export's input guards (_guards_fn): they check sub's inputs, not ours
-            continue
-        elif node.op == "output":
-            (result,) = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
-            return env[result]
-        else:
-            env[node] = gm.graph.node_copy(node, lambda n: env[n])
-    raise AssertionError("graph without output")
 
 
 def _remove_unused_parameters(gm: fx.GraphModule, names: set[str]) -> None:
@@ -51,21 +35,25 @@ def _remove_unused_parameters(gm: fx.GraphModule, names: set[str]) -> None:
 
 def moeize(gm: fx.GraphModule, ctx) -> dict:
     """Pass: rewrite the FFNs that find_ffn matched (ctx.options: experts, top_k, capacity_factor, method, layers,
-    noise, seed) into MoE op nodes."""
+    noise, seed; moeize()'s defaults) into MoE op nodes."""
     o = ctx.options
+    experts, top_k = o.get("experts", knobs.EXPERTS), o.get("top_k", knobs.TOP_K)
+    method = o.get("method", knobs.METHOD)
+    check_options(experts, top_k, method)
     chosen = parse_layers(o.get("layers"), len(ctx.ffns))
+    ffns = {index: dense_ffn(gm, ctx.ffns[index]) for index in chosen}
+    check_ffns(list(ffns.values()), experts, method)
     dense_params, rewritten = set(), []
     for n, index in enumerate(chosen):
         match = ctx.ffns[index]
-        block = build_block(dense_ffn(gm, match), o.get("experts", 16), o.get("top_k", 2),
-                            o.get("capacity_factor", 1.2), o.get("method", "upcycle"), o.get("noise", 0.0),
-                            o.get("seed", 0) + n)
+        block = build_block(ffns[index], experts, top_k, o.get("capacity_factor", knobs.CAPACITY_FACTOR), method,
+                            o.get("noise", 0.0), o.get("seed", 0) + n)
         prefix = f"moe{index}"
         gm.add_submodule(prefix, block)
         sub = _export_block(block, match.input)
         down = match.down.node
         with gm.graph.inserting_before(down):
-            out = _inline(gm, sub, prefix, [match.input])
+            out = inline_graph(gm, sub, prefix, [match.input])
             out = gm.graph.call_function(torch.ops.aten.reshape.default, (out, list(down.meta["val"].shape)))
         out.meta["val"] = down.meta["val"]
         down.replace_all_uses_with(out)

@@ -2,11 +2,13 @@
 and exported graphs (aten ops), so that the passes read one vocabulary."""
 from __future__ import annotations
 
+import inspect
 import operator
 
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.fx.operator_schemas import get_signature_for_torch_op
 
 # kind -> (callables, Tensor method names, aten / namespaced op names)
 _KINDS = {
@@ -102,12 +104,108 @@ def same_tensor(a: fx.Node, b: fx.Node) -> bool:
     return str(tuple(value(a).shape)) == str(tuple(value(b).shape))
 
 
+_NO_DEFAULT = object()
+
+
+def _parameters(node: fx.Node) -> list[tuple[str, bool, object]]:
+    """(name, keyword-only, default or _NO_DEFAULT) of each argument of the op node's target, in schema order.
+    torch.ops targets (moecompile's and aten's) from their schema; a torch function or Tensor method (Dynamo graphs)
+    from its first signature. The tensor an op works on is `input` in all three (aten's schemas call it `self`)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        return [("input" if a.name == "self" else a.name, a.kwarg_only,  # aten's `self`: as torch's `input`
+                 a.default_value if a.has_default_value() else _NO_DEFAULT) for a in target._schema.arguments]
+    function = getattr(torch, target, None) if node.op == "call_method" else target
+    signatures = get_signature_for_torch_op(function) if callable(function) else None
+    if not signatures:
+        raise TypeError(f"{node.format_node()}: no schema to read its arguments by name")
+    return [(p.name, p.kind is inspect.Parameter.KEYWORD_ONLY,
+             _NO_DEFAULT if p.default is inspect.Parameter.empty else p.default)
+            for p in signatures[0].parameters.values()]
+
+
+def _lookup(node: fx.Node, name: str) -> tuple[int, bool, object]:
+    for index, (arg_name, kwarg_only, default) in enumerate(_parameters(node)):
+        if arg_name == name:
+            return index, kwarg_only, default
+    raise KeyError(f"{node.format_node()} has no argument {name!r}")
+
+
+def arg(node: fx.Node, name: str):
+    """Argument `name` of an op node, passed by position or keyword, else its default: passes read op arguments by
+    name, never by position."""
+    index, kwarg_only, default = _lookup(node, name)
+    if not kwarg_only and index < len(node.args):
+        return node.args[index]
+    if name in node.kwargs:
+        return node.kwargs[name]
+    if default is _NO_DEFAULT:
+        raise KeyError(f"{node.format_node()} lacks argument {name!r}")
+    return default
+
+
+def set_arg(node: fx.Node, name: str, new) -> None:
+    """Replace argument `name` of an op node where it is passed (by position or keyword; a keyword if omitted)."""
+    index, kwarg_only, _ = _lookup(node, name)
+    if not kwarg_only and index < len(node.args):
+        node.update_arg(index, new)
+    else:
+        node.update_kwarg(name, new)
+
+
+def op_args(node: fx.Node) -> dict:
+    """Every argument of an op node by name, defaults filled in."""
+    return {name: arg(node, name) for name, _, _ in _parameters(node)}
+
+
+def inline_graph(gm: fx.GraphModule, sub: fx.GraphModule, prefix: str, inputs: list[fx.Node]) -> fx.Node:
+    """Copy sub's graph into gm's before the current insertion point, sub's get_attr targets under `prefix.` (where
+    the caller put sub's module or parameters); returns the node of sub's output."""
+    env, placeholders = {}, iter(inputs)
+    for node in sub.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(placeholders)
+        elif node.op == "get_attr":
+            env[node] = gm.graph.get_attr(f"{prefix}.{node.target}")
+        elif node.op == "call_module":  # export's input guards (_guards_fn): they check sub's inputs, not ours
+            continue
+        elif node.op == "output":
+            (result,) = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
+            return env[result]
+        else:
+            env[node] = gm.graph.node_copy(node, lambda n: env[n])
+    raise AssertionError("graph without output")
+
+
 def call(graph: fx.Graph, target, *args, meta: dict | None = None) -> fx.Node:
     """A call_function node; `meta` (module scope, block tag) is copied onto it so later passes still see where
     it belongs."""
     node = graph.call_function(target, args)
     node.meta.update(meta or {})
     return node
+
+
+def defaults(target) -> dict:
+    """The arguments of a torch.ops overload that have defaults, with them (the schema is where they are decided)."""
+    return {a.name: a.default_value for a in target._schema.arguments if a.has_default_value()}
+
+
+def call_op(graph: fx.Graph, target, meta: dict | None = None, **arguments) -> fx.Node:
+    """A call_function node of a torch.ops overload, its arguments given by name and placed in schema order (those
+    left out before the last one given take their defaults)."""
+    names = [a.name for a in target._schema.arguments]
+    unknown = set(arguments) - set(names)
+    if unknown:
+        raise KeyError(f"{target} has no argument {sorted(unknown)}")
+    last = max(names.index(n) for n in arguments) if arguments else -1
+    args = []
+    for a in target._schema.arguments[:last + 1]:
+        if a.name not in arguments and not a.has_default_value():
+            raise KeyError(f"{target} needs argument {a.name!r}")
+        args.append(arguments[a.name] if a.name in arguments else a.default_value)
+    return call(graph, target, *args, meta=meta)
 
 
 def outputs(graph: fx.Graph, node: fx.Node, count: int, meta: dict | None = None) -> list[fx.Node]:

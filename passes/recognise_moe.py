@@ -15,10 +15,12 @@ import torch
 from torch import fx
 
 from moecompile.ir.config import identify_activation
-
-from moecompile.passes.nodes import call, kind, moe_op, outputs, scalar_args, strip_casts, value
+from moecompile.passes.nodes import (arg, call, call_op, defaults, kind, moe_op, op_args, outputs, scalar_args,
+                                    strip_casts, value)
 
 MOE = torch.ops.moecompile
+GROUPED = defaults(MOE.route_grouped.default)  # routing a plain route does: softmax, no bias, one group, no scaling
+GLU = {k: defaults(MOE.experts.default)[k] for k in ("interleaved", "alpha", "limit")}  # GPT-OSS's SwiGLU constants
 KNOWN_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock",
                 "DeepseekV3MoE", "GptOssMLP")
 
@@ -79,17 +81,13 @@ def _descendants(node: fx.Node, within: set) -> set:
     return found
 
 
-def _topk_k(node: fx.Node) -> int:
-    return node.args[1] if len(node.args) > 1 else node.kwargs["k"]
-
-
 def _routing(router: list[fx.Node], experts: list[fx.Node]) -> dict:
     """Logits node, router weight, top_k, scoring, renormalisation, correction bias, groups and scaling factor."""
     linears = [n for n in router if kind(n) == "linear"]
     if len(linears) != 1:
         raise NotRecognised(f"router has {len(linears)} linear layers, expected 1")
     logits = linears[0]
-    weight, _ = strip_casts(logits.args[1])
+    weight, _ = strip_casts(arg(logits, "weight"))
     into_experts = [n for n in _escaping(router) if any(u in set(experts) for u in n.users)]
     ids = [n for n in into_experts if value(n) is not None and not value(n).dtype.is_floating_point]
     weights = [n for n in into_experts if value(n) is not None and value(n).dtype.is_floating_point]
@@ -103,18 +101,18 @@ def _routing(router: list[fx.Node], experts: list[fx.Node]) -> dict:
     scoring = "sigmoid" if any(kind(n) == "sigmoid" for n in router) else "softmax" if softmaxes else None
     if scoring is None:
         raise NotRecognised("router computes neither softmax nor sigmoid scores")
-    info = {"logits": logits, "weight": weight, "top_k": value(ids[0]).shape[-1], "num_experts": value(weight).shape[0], "scoring": scoring,
-            "correction_bias": None, "n_group": 1, "topk_group": 1, "scaling_factor": 1.0}
+    info = {**GROUPED, "logits": logits, "weight": weight, "top_k": value(ids[0]).shape[-1],
+            "num_experts": value(weight).shape[0], "scoring": scoring}
     # GPT-OSS: softmax over the top-k logits == softmax over all, top-k, renormalised
     info["renormalize"] = any(s in after for s in softmaxes) or any(kind(n) == "div" for n in after)
     for n in after:
         if kind(n) == "mul" and len(scalar_args(n)) == 1 and len(n.all_input_nodes) == 1:
             info["scaling_factor"] *= float(scalar_args(n)[0])
     if len(topks) == 3:  # DeepSeek-V3: group score = sum of the two best, keep topk_group groups, then top-k
-        grouped = value(topks[0].args[0])
-        if grouped is None or grouped.dim() != 3 or _topk_k(topks[0]) != min(2, grouped.shape[-1]):
+        grouped = value(arg(topks[0], "input"))
+        if grouped is None or grouped.dim() != 3 or arg(topks[0], "k") != min(2, grouped.shape[-1]):
             raise NotRecognised("expert groups are not scored by their two best experts")
-        info["n_group"], info["topk_group"] = int(grouped.shape[1]), int(_topk_k(topks[1]))
+        info["n_group"], info["topk_group"] = int(grouped.shape[1]), int(arg(topks[1], "k"))
     for n in router:
         if kind(n) == "add" and scoring == "sigmoid":
             biases = [a for a in n.all_input_nodes if a.op == "placeholder" or a.op == "get_attr"]
@@ -147,13 +145,9 @@ def _experts(experts: list[fx.Node], hidden_size: int) -> dict:
     """Expert weights (as graph nodes), layout and activation."""
     existing = [n for n in experts if moe_op(n) == "experts"]
     if existing:  # the model already runs moecompile's experts (model.set_experts_implementation("moecompile"))
-        keys = ("x", "offsets", "w_in", "b_in", "w_out", "b_out", "activation", "gated", "interleaved", "alpha",
-                "limit")
-        args = dict(zip(keys, existing[0].args))
-        args.update(existing[0].kwargs)
-        return {k: args.get(k, d) for k, d in (("w_in", None), ("b_in", None), ("w_out", None), ("b_out", None),
-                                                ("activation", None), ("gated", True), ("interleaved", False),
-                                                ("alpha", 1.702), ("limit", 7.0))} | {"transpose": False}
+        args = op_args(existing[0])
+        return {k: args[k] for k in ("w_in", "b_in", "w_out", "b_out", "activation", "gated", "interleaved", "alpha",
+                                     "limit")} | {"transpose": False}
     params = [a for a in _external_inputs(experts) if a.op in ("placeholder", "get_attr") and value(a) is not None]
     mats = [p for p in params if value(p).dim() == 3]
     vecs = [p for p in params if value(p).dim() == 2]
@@ -168,7 +162,7 @@ def _experts(experts: list[fx.Node], hidden_size: int) -> dict:
         raise NotRecognised(f"expert weights {tuple(gate_up)}, {tuple(down)} are not gate_up / down projections")
     interleaved = any(kind(n) == "getitem" and _steps_by_two(n.args[1]) for n in experts)
     spec = {"w_in": mats[0], "w_out": mats[1], "b_in": vecs[0] if vecs else None, "b_out": vecs[1] if vecs else None,
-            "transpose": transpose, "gated": True, "interleaved": interleaved, "alpha": 1.702, "limit": 7.0}
+            **GLU, "transpose": transpose, "gated": True, "interleaved": interleaved}
     act_scope = _act_fn_nodes(experts)
     if act_scope:
         try:
@@ -182,8 +176,7 @@ def _experts(experts: list[fx.Node], hidden_size: int) -> dict:
         return spec
     # no act_fn module: a custom gate such as GPT-OSS's clamp / sigmoid(alpha * gate) SwiGLU
     clamps = [n for n in experts if kind(n) == "clamp" and value(n) is not None and value(n).dtype.is_floating_point]
-    upper = [n.kwargs.get("max", n.args[2] if len(n.args) > 2 else None) for n in clamps
-             if n.kwargs.get("min", n.args[1] if len(n.args) > 1 else None) is None]
+    upper = [arg(n, "max") for n in clamps if arg(n, "min") is None]
     alphas = [scalar_args(n)[0] for n in experts if kind(n) == "mul" and len(scalar_args(n)) == 1
               and any(kind(u) == "sigmoid" for u in n.users)]
     if len(upper) != 1 or len(alphas) != 1 or not any(kind(n) == "sigmoid" for n in experts):
@@ -228,14 +221,12 @@ def _rewrite(gm: fx.GraphModule, path: str, block: dict) -> str:
     meta = {"nn_module_stack": {k: v for k, v in (out.meta.get("nn_module_stack") or {}).items()
                                 if v[0] == path or not v[0].startswith(path)}, "moecompile_block": path}
     with graph.inserting_before(out.next):
-        plain = r["scoring"] == "softmax" and r["correction_bias"] is None and r["n_group"] == 1 \
-            and r["scaling_factor"] == 1.0
-        if plain:
-            route = call(graph, MOE.route.default, r["logits"], r["top_k"], 0.0, r["renormalize"], meta=meta)
+        routing = dict(router_logits=r["logits"], top_k=r["top_k"], capacity_factor=0.0,  # dropless, as HF routes
+                       renormalize=r["renormalize"])
+        if all(r[k] is v or r[k] == v for k, v in GROUPED.items()):
+            route = call_op(graph, MOE.route.default, meta, **routing)
         else:
-            route = call(graph, MOE.route_grouped.default, r["logits"], r["top_k"], 0.0, r["renormalize"],
-                         r["scoring"], r["correction_bias"], r["n_group"], r["topk_group"], r["scaling_factor"],
-                         meta=meta)
+            route = call_op(graph, MOE.route_grouped.default, meta, **routing, **{k: r[k] for k in GROUPED})
         weights, ids = outputs(graph, route, 2, meta=meta)
         dispatch = call(graph, MOE.dispatch.default, hidden, ids, r["num_experts"], meta=meta)
         rows, order, offsets = outputs(graph, dispatch, 3, meta=meta)
@@ -243,8 +234,8 @@ def _rewrite(gm: fx.GraphModule, path: str, block: dict) -> str:
         if x["transpose"]:
             w_in = call(graph, torch.transpose, w_in, 1, 2, meta=meta)
             w_out = call(graph, torch.transpose, w_out, 1, 2, meta=meta)
-        y = call(graph, MOE.experts.default, rows, offsets, w_in, x["b_in"], w_out, x["b_out"], x["activation"],
-                 x["gated"], x["interleaved"], x["alpha"], x["limit"], meta=meta)
+        y = call_op(graph, MOE.experts.default, meta, x=rows, offsets=offsets, w_in=w_in, b_in=x["b_in"], w_out=w_out,
+                    b_out=x["b_out"], **{k: x[k] for k in ("activation", "gated", "interleaved", "alpha", "limit")})
         combined = call(graph, MOE.combine.default, y, order, weights, meta=meta)
     out.replace_all_uses_with(combined)
     keep = {r["logits"], hidden}  # the router linear stays; the rest of router and experts goes unless still used

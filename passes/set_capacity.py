@@ -1,16 +1,14 @@
 """set_capacity: give every router in the graph one capacity factor (option `capacity_factor`).
 
-Hugging Face MoE models route dropless; a capacity bounds each expert's rows (Tutel's convention: > 0 fixed
-capacity ceil(cf * tokens * k / E) with the overflow dropped, 0 dropless, < 0 dropless up to that cap).
+Hugging Face MoE models route dropless; a capacity bounds each expert's rows (what the factor means: MoEConfig).
 """
 from __future__ import annotations
 
 from torch import fx
 
-from moecompile.passes.nodes import moe_op
+from moecompile.passes.nodes import moe_op, set_arg
 
-# position of capacity_factor in each routing op's arguments
-CAPACITY_ARG = {"route": 2, "route_grouped": 2, "route_dispatch": 4}
+ROUTERS = ("route", "route_grouped", "route_dispatch")  # the ops that take a capacity_factor
 
 
 def set_capacity(gm: fx.GraphModule, ctx) -> dict:
@@ -18,10 +16,7 @@ def set_capacity(gm: fx.GraphModule, ctx) -> dict:
     factor = float(ctx.options["capacity_factor"])
     changed = []
     for node in gm.graph.nodes:
-        index = CAPACITY_ARG.get(moe_op(node))
-        if index is not None:
-            args = list(node.args)
-            args[index] = factor
-            node.args = tuple(args)
+        if moe_op(node) in ROUTERS:
+            set_arg(node, "capacity_factor", factor)
             changed.append(node.meta.get("moecompile_block", node.name))
     return {"capacity_factor": factor, "routers": changed}

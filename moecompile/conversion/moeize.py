@@ -1,6 +1,6 @@
 """moeize: replace the FFNs that the front end finds by MoEBlocks (the module view).
 
-    model = moecompile.moeize(model, experts=16, top_k=2, capacity_factor=1.2, method="upcycle")
+    model = moecompile.moeize(model, experts=16, top_k=2, method="upcycle")  # defaults: moecompile.ir.knobs
 
 Expert construction (`method`):
 - "upcycle": every expert a copy of the dense FFN (optionally with noise). Exactly the dense output at init for
@@ -21,11 +21,11 @@ from tqdm.auto import tqdm
 from moecompile.ir import layout
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import MoEConfig
+from moecompile.ir.knobs import (CAPACITY_FACTOR, EXPERTS, METHOD, TOP_K, check_experts, check_method, check_split,
+                                 check_top_k)
 from moecompile.errors import MoECompileError
 from moecompile.conversion.frontend import capture, module_scopes
 from moecompile.passes.find_ffn import TRANSPARENT, FFNMatch, LinearRef, find_ffns
-
-METHODS = ("upcycle", "split")
 
 
 @dataclass
@@ -203,9 +203,8 @@ def _neuron_groups(ffn: DenseFFN, experts: int, seed: int) -> list[torch.Tensor]
 def build_block(ffn: DenseFFN, experts: int, top_k: int, capacity_factor: float, method: str,
                 noise: float = 0.0, seed: int = 0, groups: list[torch.Tensor] | None = None) -> MoEBlock:
     """An MoEBlock equivalent to the dense FFN (at init, see the module docstring). `groups` (split only): the
-    neuron indices of each expert, instead of the weight k-means (calibrate.py passes co-activation groups)."""
-    if method not in METHODS:
-        raise MoECompileError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    neuron indices of each expert, instead of the weight k-means (calibrate.py passes co-activation groups).
+    The arguments are checked where they enter: check_options and check_ffns."""
     gated = ffn.match.gated
     h, i = ffn.hidden_size, ffn.intermediate_size
     common = dict(hidden_size=h, num_experts=experts, top_k=top_k, capacity_factor=capacity_factor,
@@ -228,8 +227,6 @@ def build_block(ffn: DenseFFN, experts: int, top_k: int, capacity_factor: float,
                 ex.b_out.copy_(ffn.b_out.expand_as(ex.b_out))
             block.router.weight.copy_(torch.randn(block.router.weight.shape, generator=gen) * 0.02)
         return block
-    if groups is None and i % experts:
-        raise MoECompileError(f"split needs experts to divide the FFN size: {i} neurons into {experts} experts")
     # given groups may leave neurons out (a calibrated split's shared expert holds them)
     size = i // experts if groups is None else len(groups[0])
     config = MoEConfig(expert_size=size, bias_out="shared" if ffn.b_out is not None else "none",
@@ -251,16 +248,26 @@ def build_block(ffn: DenseFFN, experts: int, top_k: int, capacity_factor: float,
     return block
 
 
-def moeize(model: nn.Module, experts: int = 16, top_k: int = 2, capacity_factor: float = 1.2,
-           method: str = "upcycle", layers=None, noise: float = 0.0, seed: int = 0,
+def check_options(experts, top_k, method: str) -> None:
+    """A conversion's knobs, checked where they enter (moeize() and the graph pass), before the model is captured."""
+    check_experts(experts)
+    check_top_k(top_k, experts)
+    check_method(method)
+
+
+def check_ffns(ffns: list[DenseFFN], experts: int, method: str) -> None:
+    """What the chosen FFNs require of the knobs (a split divides each FFN evenly), checked before any is replaced."""
+    if method == "split":
+        for ffn in ffns:
+            check_split(ffn.intermediate_size, experts, ffn.owner)
+
+
+def moeize(model: nn.Module, experts: int = EXPERTS, top_k: int = TOP_K, capacity_factor: float = CAPACITY_FACTOR,
+           method: str = METHOD, layers=None, noise: float = 0.0, seed: int = 0,
            example_args=None, example_kwargs=None, progress: bool = True) -> nn.Module:
-    """Replace the model's FFNs (those `layers` selects, in graph order) by MoEBlocks, in place; returns model."""
-    if not isinstance(experts, int) or experts < 1:
-        raise MoECompileError(f"experts must be a positive integer, got {experts!r}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
-        raise MoECompileError(f"top_k must be between 1 and experts ({experts}), got {top_k!r}")
-    if method not in METHODS:
-        raise MoECompileError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    """Replace the model's FFNs (those `layers` selects, in graph order) by MoEBlocks, in place; returns model.
+    capacity_factor: see MoEConfig."""
+    check_options(experts, top_k, method)
     found, skipped = find_dense_ffns(model, example_args, example_kwargs)
     if not found:
         why = f" ({'; '.join(skipped)})" if skipped else ""
@@ -268,11 +275,7 @@ def moeize(model: nn.Module, experts: int = 16, top_k: int = 2, capacity_factor:
     chosen = [found[i] for i in parse_layers(layers, len(found))]
     if not chosen:
         raise MoECompileError(f"--layers {layers!r} selects none of the {len(found)} FFNs")
-    if method == "split":
-        for ffn in chosen:
-            if ffn.intermediate_size % experts:
-                raise MoECompileError(f"split needs experts to divide the FFN size: {ffn.intermediate_size} "
-                                      f"neurons of {ffn.owner} into {experts} experts")
+    check_ffns(chosen, experts, method)
     for n, ffn in enumerate(tqdm(chosen, desc=f"moeize ({method})", unit="layer", disable=not progress)):
         block = build_block(ffn, experts, top_k, capacity_factor, method, noise, seed + n)
         block.train(model.training)

@@ -7,6 +7,7 @@ from torch import nn
 
 from moecompile.ir import ops
 from moecompile.ir.config import MoEConfig
+from moecompile.ir.knobs import check_top_k
 from moecompile.ir.activations import expert_activation
 
 
@@ -94,9 +95,7 @@ class MoEBlock(nn.Module):
         c = self.config
         top_k = c.top_k if top_k is None else top_k
         capacity_factor = c.capacity_factor if capacity_factor is None else capacity_factor
-        if not (0 if self.shared is not None else 1) <= top_k <= c.num_experts:
-            raise ValueError(f"top_k must be between {0 if self.shared is not None else 1} and {c.num_experts}, "
-                             f"got {top_k}")
+        check_top_k(top_k, c.num_experts, low=0 if self.shared is not None else 1, error=ValueError)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if top_k == 0:  # the shared expert alone

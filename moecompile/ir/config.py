@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from moecompile.errors import MoECompileError
 from moecompile.ir.activations import activation as activation_fn  # noqa: F401  (the one definition)
+from moecompile.ir.knobs import TOP_K, check_experts, check_top_k
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 ACTIVATION_ALIASES = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "swish": "silu"}
@@ -35,7 +36,8 @@ def canonical_activation(name: str) -> str:
 class MoEConfig:
     """Shapes and routing of an `MoEBlock`.
 
-    capacity_factor follows Tutel: > 0 a fixed capacity of ceil(cf * tokens * top_k / experts) per expert, the
+    capacity_factor (the one statement of its convention; moecompile.ir.knobs.CAPACITY_FACTOR is what a conversion
+    picks) follows Tutel: > 0 a fixed capacity of ceil(cf * tokens * top_k / experts) per expert, the
     overflow dropped; 0 dropless; < 0 dropless up to a cap of ceil(|cf| * tokens * top_k / experts). Expert
     groups have variable size (no padding), so > 0 and < 0 drop the same assignments; the sign only records intent.
     gate_weighting "router" scales each expert's output by its (renormalised) router weight; "unit" gives every
@@ -46,8 +48,8 @@ class MoEConfig:
     hidden_size: int
     expert_size: int  # hidden neurons per expert
     num_experts: int
-    top_k: int = 2
-    capacity_factor: float = 0.0
+    top_k: int = TOP_K
+    capacity_factor: float = 0.0  # dropless when built by hand; conversions pass knobs.CAPACITY_FACTOR
     activation: str = "gelu"
     gated: bool = False  # act(x W_gate) * (x W_up), LLaMA-style
     bias_in: bool = False  # per-expert bias of the first projection
@@ -68,10 +70,8 @@ class MoEConfig:
 
     def __post_init__(self):
         self.activation = canonical_activation(self.activation)
-        if self.num_experts < 1:
-            raise MoECompileError(f"experts must be >= 1, got {self.num_experts}")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise MoECompileError(f"top_k must be between 1 and experts ({self.num_experts}), got {self.top_k}")
+        check_experts(self.num_experts)
+        check_top_k(self.top_k, self.num_experts)
         if self.gate_weighting not in ("router", "unit"):
             raise MoECompileError(f"gate_weighting must be 'router' or 'unit', got {self.gate_weighting!r}")
         if self.bias_out not in ("none", "expert", "shared"):

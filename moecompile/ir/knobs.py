@@ -1,0 +1,52 @@
+"""The conversion knobs (experts, top_k, capacity_factor, method): each default and each check, decided here once.
+
+Every entry point (the CLI, moecompile.moeize, the graph pass moeize, MoEConfig, MoEBlock's per-call top_k,
+calibration) calls these. Torch-free: the CLI checks its arguments with them before importing torch, so that a
+bad flag fails in well under a second. What capacity_factor means: MoEConfig's docstring.
+"""
+from __future__ import annotations
+
+from moecompile.errors import MoECompileError
+
+EXPERTS = 16  # moeize() and the graph pass without `experts` (the CLI requires --experts)
+TOP_K = 2  # experts per token: conversion and MoEConfig
+CAPACITY_FACTOR = 1.2  # what a conversion gives its blocks; a hand-built MoEConfig defaults to 0.0 (dropless)
+METHODS = ("upcycle", "split")
+METHOD = "upcycle"
+
+
+def _is_int(value) -> bool:
+    # __index__: Python and NumPy integers, and torch.SymInt while Dynamo traces a per-call top_k
+    return hasattr(type(value), "__index__") and not isinstance(value, bool)
+
+
+def check_experts(experts, name: str = "experts") -> int:
+    """experts per block: an integer >= 1. `name` is how the caller spells it in the message (--experts)."""
+    if not _is_int(experts):
+        raise MoECompileError(f"{name} must be an integer, got {experts!r}")
+    if experts < 1:
+        raise MoECompileError(f"{name} must be >= 1, got {experts}")
+    return experts
+
+
+def check_top_k(top_k, experts: int, name: str = "top_k", experts_name: str = "experts", low: int = 1,
+                error: type[Exception] = MoECompileError) -> int:
+    """experts per token: an integer in [low, experts]; low is 0 where a shared expert may run alone. `error`:
+    MoEBlock's per-call override raises ValueError (a bad call, not bad user input)."""
+    if not _is_int(top_k) or not low <= top_k <= experts:
+        raise error(f"{name} must be between {low} and {experts_name} ({experts}), got {top_k!r}")
+    return top_k
+
+
+def check_method(method: str) -> str:
+    if method not in METHODS:
+        raise MoECompileError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    return method
+
+
+def check_split(neurons: int, experts: int, where: str | None = None) -> None:
+    """A neuron split gives every expert the same number of an FFN's neurons: experts must divide them."""
+    if neurons % experts:
+        of = f" of {where}" if where else ""
+        raise MoECompileError(f"split needs experts to divide the FFN size: {neurons} neurons{of} into {experts} "
+                              "experts")
