@@ -21,6 +21,7 @@ from moecompile.calibration.shared import fit_linear_shared
 from moecompile.calibration.tokens import collect_ffn_inputs
 from moecompile.conversion.moeize import DenseFFN, find_dense_ffns, parse_layers
 from moecompile.errors import MoECompileError
+from moecompile.ir.knobs import check_split
 from moecompile.ir import layout
 from moecompile.ir.block import MoEBlock
 
@@ -35,8 +36,7 @@ def calibrated_block(ffn: DenseFFN, x: torch.Tensor, cfg: CalibConfig, seed: int
     if y is None:
         y = torch.cat([ffn_output(ffn, x[s]) for s in chunks(x.shape[0])])
     i = ffn.intermediate_size
-    if i % cfg.experts:
-        raise MoECompileError(f"split needs experts to divide the FFN size: {i} neurons into {cfg.experts} experts")
+    check_split(i, cfg.experts)
     size = i // cfg.experts
     routed_k = cfg.routed_k(cfg.top_k)
     features = weight_features(ffn) if cfg.partition == "weights" else contribution_features(ffn, x)

@@ -203,7 +203,7 @@ def _neuron_groups(ffn: DenseFFN, experts: int, seed: int) -> list[torch.Tensor]
 def build_block(ffn: DenseFFN, experts: int, top_k: int, capacity_factor: float, method: str,
                 noise: float = 0.0, seed: int = 0, groups: list[torch.Tensor] | None = None) -> MoEBlock:
     """An MoEBlock equivalent to the dense FFN (at init, see the module docstring). `groups` (split only): the
-    neuron indices of each expert, instead of the weight k-means (calibrate.py passes co-activation groups).
+    neuron indices of each expert, instead of the weight k-means (calibration passes co-activation groups).
     The arguments are checked where they enter: check_options and check_ffns."""
     gated = ffn.match.gated
     h, i = ffn.hidden_size, ffn.intermediate_size

@@ -62,7 +62,7 @@ class MoEConfig:
     z_loss_coef: float = 0.0  # ST-MoE router z-loss
     dropout: float = 0.0  # on the block output, kept from the dense FFN it replaced
     method: str = "custom"  # how the experts were made: upcycle | split | custom
-    # calibrated conversion (moecompile/calibrate.py); the defaults leave the block as above
+    # calibrated conversion (moecompile/calibration/); the defaults leave the block as above
     shared_expert_size: int = 0  # neurons of one always-on expert beside the routed ones (same activation/gating)
     shared_linear: bool = False  # the shared expert without activation: a rank-shared_expert_size linear map
     router_bias: bool = False  # a bias on the router logits (a fitted router predicts expert mass with an intercept)
