@@ -259,11 +259,12 @@ def inspect_cmd(a) -> int:
         from moecompile.plot import require_matplotlib
 
         require_matplotlib()  # before loading anything
-    if checkpoint.is_checkpoint(a.model):
+    if checkpoint.is_checkpoint(a.model) and not probe:
+        info = {"kind": "moe", **report.checkpoint_summary(a.model)}
+    elif checkpoint.is_checkpoint(a.model):
         model = checkpoint.load(a.model, progress=progress)
-        info = {"kind": "moe", "blocks": report.block_rows(model), **report.parameter_counts(model)}
-        if probe:
-            info["routing"] = _probe_routing(model, a)
+        info = {"kind": "moe", "blocks": report.block_rows(model), **report.parameter_counts(model),
+                "routing": _probe_routing(model, a)}
     elif probe:
         raise MoECompileError(f"{a.model} is not a moecompile checkpoint: --routing and --plot measure the expert "
                               "load of MoE blocks; convert the model first")

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from moecompile import MoEBlock, MoECompileError
+from moecompile import MoEBlock, MoECompileError, report
 from moecompile.io import checkpoint
 from moecompile.conversion.moeize import moeize
 from moecompile.ir.layout import moe_blocks
@@ -121,6 +121,8 @@ def test_roundtrip_identical(family, method, tmp_path):
     got = outputs(loaded)
     assert got.dtype == torch.float32
     assert torch.equal(got, expected), (got - expected).abs().max()
+    # inspect's summary from the config and the safetensors headers alone equals the loaded model's
+    assert report.checkpoint_summary(out) == {"blocks": report.block_rows(loaded), **report.parameter_counts(loaded)}
 
 
 def test_gpt2_tied_weights_survive(gpt2_moe, gpt2_ckpt):

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 import moecompile
-from moecompile import MoECompileError
+from moecompile import report, MoECompileError
 from moecompile.ir import fp8
 from moecompile.cli import main
 from moecompile.ir.fp8 import MoEExpertsFP8
@@ -71,6 +71,9 @@ def test_fp8_checkpoint_round_trip(tmp_path, dtype):
     assert all(isinstance(b.experts, MoEExpertsFP8) for _, b in moe_blocks(loaded))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, want)
+    summary = report.checkpoint_summary(tmp_path / "ckpt")  # inspect's, from the headers
+    assert summary == {"blocks": report.block_rows(loaded), **report.parameter_counts(loaded)}
+    assert all(row["fp8"] for row in summary["blocks"])
 
 
 def test_fp8_checkpoint_is_at_most_055_of_bf16(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -175,6 +176,21 @@ def read_tensors(files: list[Path], progress: bool = True) -> dict[str, torch.Te
     return tensors
 
 
+def tensor_sizes(files: list[Path]) -> dict[str, int]:
+    """Element count of every tensor in the files, read from their headers alone (no tensor data)."""
+    sizes = {}
+    for path in files:
+        if not path.is_file():
+            raise MoECompileError(f"missing weight file {path}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    sizes[key] = math.prod(f.get_slice(key).get_shape())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise MoECompileError(f"corrupt or truncated safetensors file {path}: {e}") from None
+    return sizes
+
+
 def build_skeleton(config: dict, directory: Path) -> nn.Module:
     """The dense HF model the checkpoint was converted from, built from its config (random weights)."""
     import transformers
@@ -232,6 +248,15 @@ def read_moe_config(directory: Path) -> tuple[dict, dict]:
     return config, moe
 
 
+def refuse_sharded(directory: Path, moe: dict) -> None:
+    """A checkpoint whose experts are sharded over ranks is read by moecompile.distributed.load only."""
+    if "expert_parallel" in moe:
+        world = moe["expert_parallel"].get("world_size")
+        raise MoECompileError(f"{directory} holds experts sharded over {world} ranks: load it with "
+                              f"moecompile.distributed.load on {world} ranks, or merge it first with "
+                              f"`moecompile checkpoint gather {directory} OUT`")
+
+
 def apply_layout(model: nn.Module, entries: list[dict]) -> nn.Module:
     """Put freshly initialised MoEBlocks (and Identities) where the layout `entries` say: the skeleton that load() fills.
     An entry with an "fp8" field gets FP8 experts (moecompile.ir.fp8)."""
@@ -257,11 +282,7 @@ def load(directory: str | os.PathLike, model: nn.Module | None = None, progress:
     """Load a checkpoint written by save(). Pass `model` (a dense skeleton) for non-HF models."""
     directory = Path(directory)
     config, moe = read_moe_config(directory)
-    if "expert_parallel" in moe:
-        world = moe["expert_parallel"].get("world_size")
-        raise MoECompileError(f"{directory} holds experts sharded over {world} ranks: load it with "
-                              f"moecompile.distributed.load on {world} ranks, or merge it first with "
-                              f"`moecompile checkpoint gather {directory} OUT`")
+    refuse_sharded(directory, moe)
     tensors = read_tensors(weight_files(directory), progress)
     if model is None:
         model = build_skeleton(config, directory)
