@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 
 from moecompile.errors import MoECompileError
@@ -36,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="save weights in this dtype")
     c.add_argument("--random-init", action="store_true", help="build the model from its config with random weights")
     c.add_argument("--noise", type=float, default=0.0, help="upcycle: relative noise added to each expert copy")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0,
+                   help="seed of everything random in the conversion: --random-init weights, routers, --noise")
     c.add_argument("--calib", default=None, metavar="SOURCE",
                    help="split: calibrate on text: 'stdlib' (Python standard library docstrings) or a text FILE")
     c.add_argument("--calib-tokens", type=int, default=270000,
@@ -122,6 +125,34 @@ def _probe_output(model, args, kwargs) -> torch.Tensor:
     return (out[0] if isinstance(out, (tuple, list)) else out).float()
 
 
+def _probe_with_drops(model, args, kwargs) -> tuple[torch.Tensor, float]:
+    """The probe's output as converted, and the fraction of its token-expert assignments over capacity."""
+    from moecompile.stats import routing_stats, track_routing
+
+    with track_routing(model):
+        out = _probe_output(model, args, kwargs)
+        stats = list(routing_stats(model).values())
+    assigned = sum(int(s.assignments) for s in stats)
+    return out, sum(int(s.dropped) for s in stats) / max(assigned, 1)
+
+
+def _probe_dropless(model, args, kwargs) -> torch.Tensor:
+    """The probe's output with every block dropless: a conversion's equivalence, apart from capacity drops."""
+    import dataclasses
+
+    from moecompile.ir.layout import moe_blocks
+
+    blocks = [b for _, b in moe_blocks(model)]
+    configs = [b.config for b in blocks]
+    try:
+        for b in blocks:
+            b.config = dataclasses.replace(b.config, capacity_factor=0.0)
+        return _probe_output(model, args, kwargs)
+    finally:
+        for b, c in zip(blocks, configs):
+            b.config = c
+
+
 def _default_out(model: str, experts: int) -> str:
     return f"{model.rstrip('/').split('/')[-1]}-moe{experts}"
 
@@ -140,6 +171,7 @@ def convert(a) -> int:
     out = checkpoint.check_output_dir(a.out or _default_out(a.model, a.experts))
     progress = not a.no_progress
     start = time.perf_counter()
+    torch.manual_seed(a.seed)  # --random-init weights and the routers' initialisation: one seed, reproducible output
     source = models.load_source(a.model, random_init=a.random_init, progress=progress)
     model = source.model.eval()
     dense = report.parameter_counts(model)
@@ -154,8 +186,9 @@ def convert(a) -> int:
     else:
         moeize(model, experts=a.experts, top_k=a.top_k, capacity_factor=a.capacity_factor, method=a.method,
                layers=a.layers, noise=a.noise, seed=a.seed, progress=progress)
-    moe_out = _probe_output(model, probe_args, probe_kwargs)
+    moe_out, dropped = _probe_with_drops(model, probe_args, probe_kwargs)
     diff = (moe_out - dense_out).abs().max().item()
+    exact_diff = (_probe_dropless(model, probe_args, probe_kwargs) - dense_out).abs().max().item()
     if a.fp8:
         from moecompile.ir import fp8
 
@@ -171,7 +204,10 @@ def convert(a) -> int:
           f"MoE blocks ({a.method}, {a.experts} experts, top-{a.top_k}, capacity factor {a.capacity_factor})")
     print(f"  parameters: dense {report.human(dense['total'])} -> total {report.human(moe['total'])}, "
           f"active per token {report.human(moe['active_per_token'])}")
-    print(f"  output vs dense on {probe_args[0].numel()} probe tokens: max abs diff {diff:.3g}")
+    print(f"  output vs dense on {probe_args[0].numel()} probe tokens, dropless (capacity factor 0): "
+          f"max abs diff {exact_diff:.3g}")
+    print(f"  at capacity factor {a.capacity_factor}: {dropped:.1%} of the probe's token-expert assignments dropped, "
+          f"max abs diff {diff:.3g}")
     if a.fp8:
         print(f"  FP8 experts (float8_e4m3fn, 128x128 block scales): output vs unquantised, relative error "
               f"{fp8_err:.3g}")
@@ -358,8 +394,9 @@ def export_onnx_cmd(a) -> int:
         source = models.load_source(a.model, random_init=a.random_init, progress=progress)
         model, random_weights = source.model, source.random_weights
     report = export_onnx(model, out, contrib=not a.no_contrib, overwrite=a.overwrite, progress=progress)
-    print(f"exported {a.model}{' (RANDOM weights)' if random_weights else ''} to {out} "
-          f"({out.stat().st_size / 1e6:.1f} MB, opset {OPSET}) in {time.perf_counter() - start:.1f} s: "
+    files = ", ".join(f"{f} ({f.stat().st_size / 1e6:.1f} MB)" for f in report.files)
+    print(f"exported {a.model}{' (RANDOM weights)' if random_weights else ''} to {files}, opset {OPSET}, in "
+          f"{time.perf_counter() - start:.1f} s: "
           f"{', '.join(report.input_names)} [batch, sequence] -> {', '.join(report.output_names)}")
     if not report.blocks:
         print("  no MoE blocks (a dense model, exported as it is)")
@@ -392,9 +429,16 @@ def _check_args(a) -> None:
         knobs.check_top_k(a.top_k, a.experts, "--top-k", "--experts")
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(format="moecompile: %(levelname)s: %(message)s", level=logging.WARNING)
+    # SIGTERM (timeout, job schedulers, docker stop) unwinds like Ctrl-C, so partial outputs are removed
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
     try:
         _check_args(args)
         import transformers
@@ -409,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("moecompile: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ that are corrupt or do not fit the config.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import math
 import os
@@ -33,6 +34,7 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 DEFAULT_SHARD_SIZE = "5GB"
+PARTIAL = ".partial"  # suffix of the temporary folder a save writes into
 
 
 def check_output_dir(directory: str | os.PathLike) -> Path:
@@ -99,13 +101,32 @@ def atomic_directory(directory: str | os.PathLike) -> Iterator[Path]:
     fails or is interrupted, so no half-written output is ever left. Refuses an existing non-empty directory."""
     directory = check_output_dir(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
+    _remove_stale_partials(directory)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.{os.getpid()}.", suffix=PARTIAL, dir=directory.parent))
     try:
         yield tmp
         publish(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _remove_stale_partials(directory: Path) -> None:
+    """Remove what a killed run of ours left (SIGKILL, power loss): partial folders whose writing process is gone."""
+    for stale in directory.parent.glob(f".{glob.escape(directory.name)}.*{PARTIAL}"):
+        pid = stale.name[len(directory.name) + 2:].split(".")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def publish(tmp: Path, directory: Path) -> None:

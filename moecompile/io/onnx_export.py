@@ -273,6 +273,7 @@ class ExportReport:
     blocks: dict[str, str | None] = field(default_factory=dict)  # module path -> None (contrib op) or why not
     input_names: list[str] = field(default_factory=list)
     output_names: list[str] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)  # what was written: the .onnx file and any external data
 
     @property
     def contrib_blocks(self) -> list[str]:
@@ -366,7 +367,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, args: tuple | None = 
             steps.update()
             report.input_names = [v.name for v in program.model.graph.inputs]
             report.output_names = [v.name for v in program.model.graph.outputs]
-            _save(program, path, _external_data(model), onnx)
+            report.files = _save(program, path, _external_data(model), onnx)
             steps.update()
     finally:
         _set_training(model, was_training)
@@ -407,8 +408,9 @@ def _summary(e: Exception) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def _save(program, path: Path, external_data: bool, onnx) -> None:
-    """Write into a temporary sibling folder, check, then move into place: no half-written output."""
+def _save(program, path: Path, external_data: bool, onnx) -> list[Path]:
+    """Write into a temporary sibling folder, check, then move into place: no half-written output. Returns the
+    files written (the model, and its external data file where the weights are too large to embed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
     try:
@@ -418,8 +420,11 @@ def _save(program, path: Path, external_data: bool, onnx) -> None:
             onnx.checker.check_model(str(target), full_check=True)
         except onnx.checker.ValidationError as e:
             raise MoECompileError(f"the exported model fails onnx.checker: {_summary(e)}") from e
+        written = []
         for f in sorted(tmp.iterdir()):
             os.replace(f, path.parent / f.name)
+            written.append(path.parent / f.name)
+        return written
     finally:
         for f in tmp.iterdir():
             f.unlink()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU checks of one device call: install, the GPU tests, then the MoE-layer benchmark (peers in the same run).
+#   bash bench/gpu_check.sh tests          # pytest -m gpu, log to $OUT/gpu-tests.log
+#   bash bench/gpu_check.sh layer          # bench/moe_layer.py --profile, table to $OUT/gpu-moe-layer.md
+# On the device tool's H200 machine: its python3 has torch, triton and transformers; nothing is downloaded.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+out=${OUT:-build/gpu-check}
+mkdir -p "$out"
+what=${1:-tests}
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . > "$out/install.log" 2>&1 \
+  || { tail -5 "$out/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+case "$what" in
+  tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=10 2>&1 | tee "$out/gpu-tests.log" ;;
+  layer) python3 bench/moe_layer.py --profile --out "$out/gpu-moe-layer.md" 2>&1 | tee "$out/gpu-moe-layer.log" ;;
+  *) echo "usage: bench/gpu_check.sh tests|layer" >&2; exit 2 ;;
+esac
