@@ -196,6 +196,7 @@ def native_config(config, experts: int, top_k: int, layers=None, dtype: str | No
     except Exception as e:  # noqa: BLE001 - transformers' validation of a field: the user's config is at fault
         raise MoECompileError(f"cannot build {family.config_class} from the source config: {e}") from None
     out["architectures"] = [family.target]
+    out[family.experts_key] = experts  # transformers 5 writes an alias (num_local_experts): keep the published key
     dtype = dtype or cfg.get("dtype") or cfg.get("torch_dtype")
     if dtype:
         out["dtype"] = out["torch_dtype"] = str(dtype).removeprefix("torch.")  # transformers 5 / 4 spellings
