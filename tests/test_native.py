@@ -59,6 +59,13 @@ def sources(tmp_path_factory) -> dict[str, Path]:
         model.save_pretrained(root / name)
         (root / name / "tokenizer_config.json").write_text("{}")  # copied along
         out[name] = root / name
+    # a config.json as transformers 4 wrote it (rope_theta, rope_scaling, torch_dtype), and a stored rotary buffer
+    legacy = {"rope_theta": 500000.0, "torch_dtype": "float32", "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}}
+    out["llama-v4"] = _copy(out["llama"], root / "llama-v4", lambda c: {
+        **{k: v for k, v in c.items() if k not in ("rope_parameters", "dtype")}, **legacy},
+        add={"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
     return out
 
 
@@ -70,6 +77,7 @@ def converted(sources, tmp_path_factory) -> dict[str, tuple[Path, Path, native.N
     runs["llama-sharded"] = ("llama", {"max_shard_size": "40KB"})
     runs["qwen3-layer1"] = ("qwen3", {"layers": "1"})
     runs["mistral-bf16"] = ("mistral", {"dtype": "bf16"})
+    runs["llama-v4"] = ("llama-v4", {})
     done = {}
     for name, (src, kw) in runs.items():
         result = upcycle_native(sources[src], root / name, experts=4, top_k=2, seed=1, progress=False, **kw)
@@ -93,7 +101,8 @@ def test_fresh_transformers_never_imports_moecompile(loaded):
 
 @pytest.mark.parametrize("name, cls", [("llama", "MixtralForCausalLM"), ("mistral", "MixtralForCausalLM"),
                                        ("qwen3", "Qwen3MoeForCausalLM"), ("llama-sharded", "MixtralForCausalLM"),
-                                       ("qwen3-layer1", "Qwen3MoeForCausalLM")])
+                                       ("qwen3-layer1", "Qwen3MoeForCausalLM"),
+                                       ("llama-v4", "MixtralForCausalLM")])
 def test_native_model_loads_and_equals_dense(converted, loaded, name, cls):
     r = loaded[str(converted[name][1])]
     assert r["class"] == cls
@@ -124,6 +133,10 @@ def test_native_configs(converted):
     assert qwen["architectures"] == ["Qwen3MoeForCausalLM"] and qwen["head_dim"] == 8
     assert qwen["num_experts"] == 4 and qwen["moe_intermediate_size"] == 48 and qwen["norm_topk_prob"] is True
     assert qwen["mlp_only_layers"] == [0] and qwen["decoder_sparse_step"] == 1 and qwen["tie_word_embeddings"]
+    legacy = json.loads((converted["llama-v4"][1] / "config.json").read_text())
+    assert legacy["rope_parameters"]["rope_theta"] == 500000.0 and legacy["rope_parameters"]["rope_type"] == "llama3"
+    assert legacy["dtype"] == "float32" and "rope_theta" not in legacy
+    assert not any("inv_freq" in k for k in load_file(converted["llama-v4"][1] / "model.safetensors"))
     assert (converted["qwen3"][1] / "tokenizer_config.json").is_file()
     assert (converted["qwen3"][1] / "generation_config.json").is_file()
 
@@ -176,12 +189,13 @@ def test_parameter_counts(converted):
     assert r.output_bytes == 4 * r.output_params and r.target == "MixtralForCausalLM" and r.moe_layers == [0, 1]
 
 
-def _copy(src: Path, dst: Path, config_edit=None, drop: str | None = None) -> Path:
+def _copy(src: Path, dst: Path, config_edit=None, drop: str | None = None, add: dict | None = None) -> Path:
     dst.mkdir()
     config = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps(config_edit(config) if config_edit else config))
     tensors = load_file(src / "model.safetensors")
     tensors.pop(drop, None)
+    tensors.update(add or {})
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
@@ -228,6 +242,7 @@ def test_native_target(sources):
     assert native_target(sources["llama"]) == "MixtralForCausalLM"
     assert native_target(transformers.MistralConfig(architectures=["MistralForCausalLM"])) == "MixtralForCausalLM"
     assert native_target(sources["qwen3"], layers="even") == "Qwen3MoeForCausalLM"  # mlp_only_layers
+    assert native_target(transformers.Qwen3Config()) == "Qwen3MoeForCausalLM"  # no architectures: its model_type
     target, reason = native_support(sources["llama"], layers="0")
     assert target is None and "all 2 FFNs" in reason and "--format moecompile" in reason
     biased = transformers.LlamaConfig(architectures=["LlamaForCausalLM"], attention_bias=True)

@@ -75,6 +75,8 @@ MIXTRAL = Family("MixtralForCausalLM", "MixtralConfig", "block_sparse_moe",
 QWEN3_MOE = Family("Qwen3MoeForCausalLM", "Qwen3MoeConfig", "mlp",
                    {p: p for p in FFN_PROJS}, "num_experts", True)
 FAMILIES = {"LlamaForCausalLM": MIXTRAL, "MistralForCausalLM": MIXTRAL, "Qwen3ForCausalLM": QWEN3_MOE}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a buffer some old checkpoints stored: recomputed on load
 # config keys never copied from the source: identity of the source model, or set by the conversion
 NOT_COPIED = {"architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
               "auto_map", "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -123,15 +125,40 @@ def _config_dict(config) -> dict:
     raise TypeError(f"config must be a dict, a transformers config or a folder, got {type(config).__name__}")
 
 
+def _architecture(cfg: dict) -> str | None:
+    """The config's class; a config without `architectures` (built in code) is the causal LM of its model_type."""
+    archs = cfg.get("architectures")
+    return archs[0] if archs else MODEL_TYPES.get(cfg.get("model_type"))
+
+
+def _normalised(cfg: dict) -> dict:
+    """The config as transformers reads it: legacy keys (rope_theta/rope_scaling, torch_dtype, Qwen3's
+    max_window_layers) turned into the current ones, so none is lost when copied into the native config."""
+    import transformers
+
+    try:
+        out = transformers.CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg).to_dict()
+    except Exception as e:  # noqa: BLE001 - transformers' validation: the user's config.json is at fault
+        raise MoECompileError(f"config.json is not a valid {cfg.get('model_type')} config: {e}") from None
+    out["architectures"] = [_architecture(cfg)]
+    return out
+
+
 def native_support(config, layers=None) -> tuple[str | None, str]:
     """(native class name, "") when the native upcycle applies to this dense config (dict, transformers config or
     checkpoint folder) and this layer selection, else (None, the reason in one line)."""
     cfg = _config_dict(config)
-    arch = (cfg.get("architectures") or [None])[0]
+    arch = _architecture(cfg)
     family = FAMILIES.get(arch)
     if family is None:
         known = ", ".join(f"{a} -> {f.target}" for a, f in FAMILIES.items())
         return None, f"no native MoE architecture for {arch or 'a config without architectures'} (supported: {known})"
+    if cfg.get("model_type") != {v: k for k, v in MODEL_TYPES.items()}[arch]:
+        return None, f"{arch} with model_type {cfg.get('model_type')!r}: not the model this name says"
+    try:
+        cfg = _normalised(cfg)
+    except MoECompileError as e:
+        return None, str(e)
     if cfg.get("attention_bias") and family is MIXTRAL:
         return None, f"{arch} with attention_bias=True: {family.target} attention has no biases"
     if cfg.get("mlp_bias"):
@@ -177,6 +204,8 @@ def native_config(config, experts: int, top_k: int, layers=None, dtype: str | No
     if target is None:
         raise MoECompileError(f"cannot upcycle into a native MoE architecture: {reason}")
     _check_counts(experts, top_k)
+    dtype = dtype or cfg.get("dtype") or cfg.get("torch_dtype")
+    cfg = _normalised(cfg)
     family = FAMILIES[cfg["architectures"][0]]
     n = cfg["num_hidden_layers"]
     selected = _select_layers(layers, n)
@@ -197,7 +226,6 @@ def native_config(config, experts: int, top_k: int, layers=None, dtype: str | No
         raise MoECompileError(f"cannot build {family.config_class} from the source config: {e}") from None
     out["architectures"] = [family.target]
     out[family.experts_key] = experts  # transformers 5 writes an alias (num_local_experts): keep the published key
-    dtype = dtype or cfg.get("dtype") or cfg.get("torch_dtype")
     if dtype:
         out["dtype"] = out["torch_dtype"] = str(dtype).removeprefix("torch.")  # transformers 5 / 4 spellings
     return out
@@ -242,19 +270,22 @@ def source_tensors(directory: Path) -> dict[str, tuple[Path, tuple, str]]:
     else:
         raise MoECompileError(f"no safetensors weights in {directory} ({WEIGHTS} or {WEIGHTS_INDEX})")
     tensors = {}
-    for name in files:
+    for name in files:  # a tensor skipped by IGNORED is neither checked nor written
         path = directory / name
         if not path.is_file():
             raise MoECompileError(f"missing weight file {path} (named by {index.name})")
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
+                    if IGNORED.search(key):
+                        continue
                     s = f.get_slice(key)
                     tensors[key] = (path, tuple(s.get_shape()), s.get_dtype())
         except (SafetensorError, OSError, ValueError) as e:
             raise MoECompileError(f"corrupt or truncated safetensors file {path}: {e}") from None
     if weight_map is not None:
-        lost = [k for k, f in weight_map.items() if k not in tensors or tensors[k][0].name != f]
+        lost = [k for k, f in weight_map.items()
+                if not IGNORED.search(k) and (k not in tensors or tensors[k][0].name != f)]
         if lost:
             raise MoECompileError(f"{index.name} names {len(lost)} tensors its files do not hold, e.g. {lost[0]}")
     return tensors
@@ -270,7 +301,7 @@ def _expected_tensors(cfg: dict, directory: Path) -> tuple[dict[str, tuple], set
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(hf_config)
     except Exception as e:  # noqa: BLE001 - any failure here means config.json does not describe a buildable model
-        raise MoECompileError(f"{directory}: cannot build {cfg['architectures'][0]} from config.json: {e}") from None
+        raise MoECompileError(f"{directory}: cannot build {_architecture(cfg)} from config.json: {e}") from None
     shapes = {k: tuple(t.shape) for k, t in model.state_dict().items()}
     optional = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
     return shapes, optional
@@ -290,7 +321,7 @@ def _check_source(cfg: dict, directory: Path, tensors: dict) -> None:
         raise MoECompileError(f"{directory}: {len(missing)} tensors missing from the weights, e.g. {missing[0]}")
     unexpected = [k for k in tensors if k not in expected]
     if unexpected:
-        raise MoECompileError(f"{directory}: unexpected tensor {unexpected[0]} for {cfg['architectures'][0]} "
+        raise MoECompileError(f"{directory}: unexpected tensor {unexpected[0]} for {_architecture(cfg)} "
                               f"({len(unexpected)} in all)")
     for k, (_, shape, _) in tensors.items():
         if shape != expected[k]:
@@ -415,7 +446,7 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
     cfg = read_config(source)
     dtype_name = str(out_dtype).removeprefix("torch.") if out_dtype is not None else None
     config = native_config(cfg, experts, top_k, layers, dtype_name)  # validates family, layers, experts, top_k
-    family = FAMILIES[cfg["architectures"][0]]
+    family = FAMILIES[_architecture(cfg)]
     selected = _select_layers(layers, cfg["num_hidden_layers"])
     tensors = source_tensors(source)
     _check_source(cfg, source, tensors)
