@@ -182,6 +182,18 @@ def test_same_seed_gives_identical_bytes(sources, converted, tmp_path):
     assert torch.equal(a["model.embed_tokens.weight"], b["model.embed_tokens.weight"])
 
 
+def test_noise_makes_experts_differ_reproducibly(sources, tmp_path):
+    runs = [upcycle_native(sources["llama"], tmp_path / f"n{i}", experts=3, noise=0.01, seed=4, progress=False)
+            for i in range(2)]
+    a, b = (load_file(r.out / "model.safetensors") for r in runs)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    dense = load_file(sources["llama"] / "model.safetensors")["model.layers.1.mlp.up_proj.weight"]
+    copies = [a[f"model.layers.1.block_sparse_moe.experts.{e}.w3.weight"] for e in range(3)]
+    assert not torch.equal(copies[0], copies[1])
+    for c in copies:
+        assert 0.005 < ((c - dense).std() / dense.std()).item() < 0.02
+
+
 def test_parameter_counts(converted):
     r = converted["llama"][2]
     ffn = 3 * 32 * 48

@@ -104,6 +104,7 @@ class _Tensor:  # one output tensor of the plan
     dtype: str  # safetensors dtype name of the output
     source: str | None = None  # source tensor copied (and cast) into it
     router_layer: int | None = None  # or: the router of this layer, generated
+    noise_key: tuple | None = None  # (layer, projection, expert) of an expert copy that gets its own noise
     nbytes: int = field(init=False)
 
     def __post_init__(self):
@@ -353,7 +354,7 @@ def _plan(tensors: dict, family: Family, selected: list[int], experts: int, out_
                                     router_layer=int(m.group(1))))
             for e in range(experts):
                 plan.append(_Tensor(f"{block}.experts.{e}.{family.expert_names[proj]}.weight", shape, dtype_of(st),
-                                    source=name))
+                                    source=name, noise_key=(int(m.group(1)), FFN_PROJS.index(proj), e)))
         else:
             plan.append(_Tensor(name, shape, dtype_of(st), source=name))
     return plan
@@ -378,11 +379,21 @@ def _shards(plan: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:
 class _Reader:
     """Reads plan tensors one at a time, keeping only the last one (the next expert copies it again)."""
 
-    def __init__(self, tensors: dict, seed: int, router_std: float):
-        self.tensors, self.seed, self.router_std = tensors, seed, router_std
+    def __init__(self, tensors: dict, seed: int, router_std: float, noise: float = 0.0):
+        self.tensors, self.seed, self.router_std, self.noise = tensors, seed, router_std, noise
         self.last: tuple | None = None
 
     def __call__(self, t: _Tensor) -> torch.Tensor:
+        if self.noise > 0 and t.noise_key is not None:
+            base = self._read(t)
+            # seeded by (seed, layer, projection, expert): reproducible, and independent of the writing order
+            layer, proj, expert = t.noise_key
+            g = torch.Generator().manual_seed(((self.seed * 1_000_003 + layer) * 3 + proj) * 4099 + expert + 1)
+            w = base.float()
+            return (w + torch.randn(w.shape, generator=g) * (self.noise * w.std())).to(base.dtype)
+        return self._read(t)
+
+    def _read(self, t: _Tensor) -> torch.Tensor:
         key = (t.source, t.router_layer, t.dtype)
         if self.last is not None and self.last[0] == key:
             return self.last[1]
@@ -429,11 +440,13 @@ def _write_shard(path: Path, entries: list[_Tensor], read: _Reader, bar) -> None
 
 def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: int, top_k: int = 2, layers=None,
                    seed: int = 0, dtype: str | torch.dtype | None = None,
-                   max_shard_size: str | int = DEFAULT_SHARD_SIZE, router_std: float = 0.02,
+                   max_shard_size: str | int = DEFAULT_SHARD_SIZE, router_std: float = 0.02, noise: float = 0.0,
                    progress: bool = True) -> NativeResult:
     """Upcycle the dense HF checkpoint folder `source` into `out` in its native HF MoE architecture (see
     native_support), streaming: every expert a copy of the dense FFN, routers normal(0, router_std) drawn from
-    `seed`. `dtype` converts floating tensors while streaming. `out` appears complete or not at all."""
+    `seed`. `noise` > 0 adds normal noise of noise * std(W) to each expert copy of W (as moeize's upcycle does:
+    breaks the symmetry of the copies, no longer exactly the dense model). `dtype` converts floating tensors while
+    streaming. `out` appears complete or not at all."""
     start = time.perf_counter()
     source = Path(source)
     if not source.is_dir():
@@ -441,8 +454,8 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
     check_output_dir(out)  # before reading any weight
     out_dtype = _parse_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
-    if router_std < 0:
-        raise MoECompileError(f"router_std must be >= 0, got {router_std}")
+    if router_std < 0 or noise < 0:
+        raise MoECompileError(f"router_std and noise must be >= 0, got {router_std} and {noise}")
     cfg = read_config(source)
     dtype_name = str(out_dtype).removeprefix("torch.") if out_dtype is not None else None
     config = native_config(cfg, experts, top_k, layers, dtype_name)  # validates family, layers, experts, top_k
@@ -458,7 +471,7 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
     names = ([WEIGHTS] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     total = sum(t.nbytes for t in plan)
-    read = _Reader(tensors, seed, router_std)
+    read = _Reader(tensors, seed, router_std, noise)
     with atomic_directory(out) as tmp, tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                                             desc=f"upcycle -> {family.target}", disable=not progress) as bar:
         for name, entries in zip(names, shards):
@@ -501,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--layers", default=None, help="Qwen3 only: which FFNs become MoE (all, even, odd, 0,2,5-7)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--noise", type=float, default=0.0, help="relative noise added to each expert copy")
     p.add_argument("--dtype", default=None, help="convert floating tensors (float32, bfloat16, float16)")
     p.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE)
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
@@ -508,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         r = upcycle_native(a.source, a.out, a.experts, a.top_k, a.layers, a.seed, a.dtype, a.max_shard_size,
-                           progress=not a.no_progress)
+                           noise=a.noise, progress=not a.no_progress)
     except MoECompileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
