@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +99,10 @@ def run_upcycle(source: Path, out: Path, experts: int) -> dict:
         raise SystemExit(f"upcycle failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    for name in sorted(set(index.values())):  # every shard a valid safetensors file holding what the index says
+        with safe_open(str(out / name), framework="pt") as f:
+            assert set(f.keys()) == {k for k, v in index.items() if v == name}, name
     return {**result, "peak_rss_gb": rss_kb * 1024 / 1e9, "wall_s": wall}
 
 
