@@ -1,0 +1,538 @@
+"""Streaming upcycle of a dense Hugging Face checkpoint folder into its family's native HF MoE architecture.
+
+    LlamaForCausalLM, MistralForCausalLM -> MixtralForCausalLM      (every layer MoE)
+    Qwen3ForCausalLM                     -> Qwen3MoeForCausalLM     (layers left dense go to mlp_only_layers)
+
+The model is never materialised: the source safetensors headers give every output tensor's name, shape and dtype
+up front, so the shards, the index and the progress total are planned before any data is read; then each output
+tensor is read (one source tensor at a time, through safe_open), cast and streamed straight into its shard file.
+Peak memory is about one source tensor, whatever the model or shard size.
+
+Tensors use the layout Hugging Face publishes and `save_pretrained` writes (Mixtral:
+`block_sparse_moe.experts.{e}.w1/w2/w3` and `block_sparse_moe.gate`; Qwen3-MoE: `mlp.experts.{e}.gate_proj/...`
+and `mlp.gate`), which transformers 5 fuses on load and transformers 4, vLLM and llama.cpp read as they are.
+
+Upcycle: every expert is a copy of the dense FFN and the router a small random matrix. Both native blocks renormalise
+the top-k weights to sum to one (Mixtral always, Qwen3-MoE with norm_topk_prob=True) and drop no token, so the
+converted model computes the dense model's function exactly (up to rounding) until it is trained.
+
+    python -m moecompile.conversion.native SOURCE OUT --experts 8 [--top-k 2] [--dtype bf16] [--max-shard-size 5GB]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from moecompile.errors import MoECompileError
+from moecompile.io.checkpoint import (
+    DEFAULT_SHARD_SIZE,
+    WEIGHTS,
+    WEIGHTS_INDEX,
+    atomic_directory,
+    check_output_dir,
+    copy_tokenizer,
+    read_config,
+    write_config,
+)
+
+FFN_PROJS = ("gate_proj", "up_proj", "down_proj")
+EXTRA_FILES = ("generation_config.json",)  # copied beside the tokenizer: generation defaults stay the source's
+LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+# safetensors dtype names <-> torch dtypes (the ones a language model checkpoint holds)
+ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+             "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Family:
+    target: str  # native transformers class
+    config_class: str
+    moe_prefix: str  # the MoE block's name inside a decoder layer
+    expert_names: dict  # dense projection -> the expert's projection name
+    experts_key: str  # config key of the expert count
+    per_layer_dense: bool  # can some layers keep their dense FFN?
+
+
+MIXTRAL = Family("MixtralForCausalLM", "MixtralConfig", "block_sparse_moe",
+                 {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}, "num_local_experts", False)
+QWEN3_MOE = Family("Qwen3MoeForCausalLM", "Qwen3MoeConfig", "mlp",
+                   {p: p for p in FFN_PROJS}, "num_experts", True)
+FAMILIES = {"LlamaForCausalLM": MIXTRAL, "MistralForCausalLM": MIXTRAL, "Qwen3ForCausalLM": QWEN3_MOE}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a buffer some old checkpoints stored: recomputed on load
+# config keys never copied from the source: identity of the source model, or set by the conversion
+NOT_COPIED = {"architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
+              "auto_map", "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "router_jitter_noise",
+              "output_router_logits", "layer_types", "max_window_layers"}
+ALWAYS_COPIED = ("head_dim",)  # read with getattr by the native attention although not a declared config field
+
+
+@dataclass
+class NativeResult:
+    out: Path
+    target: str
+    source_params: int
+    output_params: int
+    output_bytes: int
+    shards: int
+    moe_layers: list[int]
+    seconds: float
+
+
+@dataclass
+class _Tensor:  # one output tensor of the plan
+    name: str
+    shape: tuple
+    dtype: str  # safetensors dtype name of the output
+    source: str | None = None  # source tensor copied (and cast) into it
+    router_layer: int | None = None  # or: the router of this layer, generated
+    noise_key: tuple | None = None  # (layer, projection, expert) of an expert copy that gets its own noise
+    nbytes: int = field(init=False)
+
+    def __post_init__(self):
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        self.nbytes = numel * ST_DTYPES[self.dtype].itemsize
+
+
+# --------------------------------------------------------------------------------------------------- support check
+
+def _config_dict(config) -> dict:
+    if isinstance(config, (str, os.PathLike)):
+        return read_config(Path(config))
+    if isinstance(config, dict):
+        return config
+    if hasattr(config, "to_dict"):  # a transformers PretrainedConfig
+        return config.to_dict()
+    raise TypeError(f"config must be a dict, a transformers config or a folder, got {type(config).__name__}")
+
+
+def _architecture(cfg: dict) -> str | None:
+    """The config's class; a config without `architectures` (built in code) is the causal LM of its model_type."""
+    archs = cfg.get("architectures")
+    return archs[0] if archs else MODEL_TYPES.get(cfg.get("model_type"))
+
+
+def _normalised(cfg: dict) -> dict:
+    """The config as transformers reads it: legacy keys (rope_theta/rope_scaling, torch_dtype, Qwen3's
+    max_window_layers) turned into the current ones, so none is lost when copied into the native config."""
+    import transformers
+
+    try:
+        out = transformers.CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg).to_dict()
+    except Exception as e:  # noqa: BLE001 - transformers' validation: the user's config.json is at fault
+        raise MoECompileError(f"config.json is not a valid {cfg.get('model_type')} config: {e}") from None
+    out["architectures"] = [_architecture(cfg)]
+    return out
+
+
+def native_support(config, layers=None) -> tuple[str | None, str]:
+    """(native class name, "") when the native upcycle applies to this dense config (dict, transformers config or
+    checkpoint folder) and this layer selection, else (None, the reason in one line)."""
+    cfg = _config_dict(config)
+    arch = _architecture(cfg)
+    family = FAMILIES.get(arch)
+    if family is None:
+        known = ", ".join(f"{a} -> {f.target}" for a, f in FAMILIES.items())
+        return None, f"no native MoE architecture for {arch or 'a config without architectures'} (supported: {known})"
+    if cfg.get("model_type") != {v: k for k, v in MODEL_TYPES.items()}[arch]:
+        return None, f"{arch} with model_type {cfg.get('model_type')!r}: not the model this name says"
+    try:
+        cfg = _normalised(cfg)
+    except MoECompileError as e:
+        return None, str(e)
+    if cfg.get("attention_bias") and family is MIXTRAL:
+        return None, f"{arch} with attention_bias=True: {family.target} attention has no biases"
+    if cfg.get("mlp_bias"):
+        return None, f"{arch} with mlp_bias=True: {family.target} experts have no biases"
+    types = set(cfg.get("layer_types") or [])
+    if family is QWEN3_MOE and len(types) > 1:  # Qwen3-MoE applies one sliding window to all layers or none
+        return None, f"{arch} mixes {' and '.join(sorted(types))} layers: {family.target} cannot"
+    n = cfg.get("num_hidden_layers")
+    if not isinstance(n, int) or n < 1:
+        return None, f"{arch} config has no valid num_hidden_layers ({n!r})"
+    try:
+        selected = _select_layers(layers, n)
+    except MoECompileError as e:
+        return None, str(e)
+    if not family.per_layer_dense and len(selected) != n:
+        return None, (f"{family.target} has no dense layers: the native format makes all {n} FFNs MoE (asked for "
+                      f"{len(selected)}); use --format moecompile to choose layers")
+    return family.target, ""
+
+
+def native_target(config, layers=None) -> str | None:
+    """The native HF MoE class this dense config upcycles into (e.g. "MixtralForCausalLM"), or None; see
+    native_support for the reason."""
+    return native_support(config, layers)[0]
+
+
+def _select_layers(layers, n: int) -> list[int]:
+    from moecompile.conversion.moeize import parse_layers
+
+    selected = parse_layers(layers, n)
+    if not selected:
+        raise MoECompileError(f"no layers selected by {layers!r}: nothing to upcycle")
+    return selected
+
+
+def native_config(config, experts: int, top_k: int, layers=None, dtype: str | None = None) -> dict:
+    """config.json of the native MoE model: every field the source shares with the native config class, plus the
+    MoE fields. Raises MoECompileError when the native format does not apply."""
+    import transformers
+
+    cfg = _config_dict(config)
+    target, reason = native_support(cfg, layers)
+    if target is None:
+        raise MoECompileError(f"cannot upcycle into a native MoE architecture: {reason}")
+    _check_counts(experts, top_k)
+    dtype = dtype or cfg.get("dtype") or cfg.get("torch_dtype")
+    cfg = _normalised(cfg)
+    family = FAMILIES[cfg["architectures"][0]]
+    n = cfg["num_hidden_layers"]
+    selected = _select_layers(layers, n)
+    cls = getattr(transformers, family.config_class)
+    fields = set(cls().to_dict())
+    kwargs = {k: v for k, v in cfg.items() if (k in fields or k in ALWAYS_COPIED) and k not in NOT_COPIED}
+    kwargs.update({family.experts_key: experts, "num_experts_per_tok": top_k, "output_router_logits": False})
+    if family is MIXTRAL:
+        kwargs["router_jitter_noise"] = 0.0  # the upcycled model must compute the dense function
+    else:
+        kwargs.update(moe_intermediate_size=cfg["intermediate_size"], decoder_sparse_step=1, norm_topk_prob=True,
+                      mlp_only_layers=[i for i in range(n) if i not in selected])
+        sliding = "sliding_attention" in (cfg.get("layer_types") or [])
+        kwargs.update(use_sliding_window=sliding, sliding_window=cfg.get("sliding_window") if sliding else None)
+    try:
+        out = cls(**kwargs).to_dict()
+    except Exception as e:  # noqa: BLE001 - transformers' validation of a field: the user's config is at fault
+        raise MoECompileError(f"cannot build {family.config_class} from the source config: {e}") from None
+    out["architectures"] = [family.target]
+    out[family.experts_key] = experts  # transformers 5 writes an alias (num_local_experts): keep the published key
+    if dtype:
+        out["dtype"] = out["torch_dtype"] = str(dtype).removeprefix("torch.")  # transformers 5 / 4 spellings
+    return out
+
+
+def _check_counts(experts, top_k) -> None:
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise MoECompileError(f"experts must be an integer >= 1, got {experts!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise MoECompileError(f"top_k must be an integer between 1 and experts ({experts}), got {top_k!r}")
+
+
+# ------------------------------------------------------------------------------------------------- source reading
+
+def parse_size(size: str | int) -> int:
+    """Bytes of a shard size as Hugging Face writes it: 5GB (10**9), 500MB, 2GiB (2**30), 1000 (bytes)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size), re.IGNORECASE)
+        if not m:
+            raise MoECompileError(f"bad shard size {size!r}: use e.g. 5GB, 500MB, 2GiB or a byte count")
+        unit = (m.group(2) or "B").upper()
+        scale = 1 if unit == "B" else (1024 if "I" in unit else 1000) ** ("KMGT".index(unit[0]) + 1)
+        value = int(float(m.group(1)) * scale)
+    if value <= 0:
+        raise MoECompileError(f"shard size must be positive, got {size!r}")
+    return value
+
+
+def source_tensors(directory: Path) -> dict[str, tuple[Path, tuple, str]]:
+    """name -> (file, shape, safetensors dtype) of every tensor of a checkpoint folder, from the headers alone."""
+    index = directory / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
+            raise MoECompileError(f"{index} is not a valid safetensors index: {e}") from None
+    elif (directory / WEIGHTS).is_file():
+        weight_map, files = None, [WEIGHTS]
+    else:
+        raise MoECompileError(f"no safetensors weights in {directory} ({WEIGHTS} or {WEIGHTS_INDEX})")
+    tensors = {}
+    for name in files:  # a tensor skipped by IGNORED is neither checked nor written
+        path = directory / name
+        if not path.is_file():
+            raise MoECompileError(f"missing weight file {path} (named by {index.name})")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    if IGNORED.search(key):
+                        continue
+                    s = f.get_slice(key)
+                    tensors[key] = (path, tuple(s.get_shape()), s.get_dtype())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise MoECompileError(f"corrupt or truncated safetensors file {path}: {e}") from None
+    if weight_map is not None:
+        lost = [k for k, f in weight_map.items()
+                if not IGNORED.search(k) and (k not in tensors or tensors[k][0].name != f)]
+        if lost:
+            raise MoECompileError(f"{index.name} names {len(lost)} tensors its files do not hold, e.g. {lost[0]}")
+    return tensors
+
+
+def _expected_tensors(cfg: dict, directory: Path) -> tuple[dict[str, tuple], set[str]]:
+    """(name -> shape) of the dense model's checkpoint and the names it may omit (a tied lm_head), from the model
+    built on the meta device: no memory, whatever its size."""
+    import transformers
+
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(directory)  # config.json only
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    except Exception as e:  # noqa: BLE001 - any failure here means config.json does not describe a buildable model
+        raise MoECompileError(f"{directory}: cannot build {_architecture(cfg)} from config.json: {e}") from None
+    shapes = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+    optional = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
+    return shapes, optional
+
+
+def _check_source(cfg: dict, directory: Path, tensors: dict) -> None:
+    n = cfg["num_hidden_layers"]
+    present = sorted({int(m.group(1)) for k in tensors if (m := LAYER_RE.match(k))})
+    if present != list(range(n)):
+        found = f"layers {present[0]}-{present[-1]}" if present else "no layers"
+        gaps = "" if not present or present == list(range(present[-1] + 1)) else f" ({len(present)} of them)"
+        raise MoECompileError(f"{directory}: config.json says num_hidden_layers={n} but the weights hold "
+                              f"{found}{gaps}")
+    expected, optional = _expected_tensors(cfg, directory)
+    missing = [k for k in expected if k not in tensors and k not in optional]
+    if missing:
+        raise MoECompileError(f"{directory}: {len(missing)} tensors missing from the weights, e.g. {missing[0]}")
+    unexpected = [k for k in tensors if k not in expected]
+    if unexpected:
+        raise MoECompileError(f"{directory}: unexpected tensor {unexpected[0]} for {_architecture(cfg)} "
+                              f"({len(unexpected)} in all)")
+    for k, (_, shape, _) in tensors.items():
+        if shape != expected[k]:
+            raise MoECompileError(f"{directory}: {k} has shape {shape}, config.json implies {expected[k]}")
+
+
+# ----------------------------------------------------------------------------------------------- plan and writing
+
+def _plan(tensors: dict, family: Family, selected: list[int], experts: int, out_dtype: torch.dtype | None,
+          tied: bool) -> list[_Tensor]:
+    """Every output tensor in writing order: a layer's E copies of one projection follow each other, so each source
+    tensor is read once."""
+    def dtype_of(st: str) -> str:
+        return TORCH_TO_ST[out_dtype] if out_dtype is not None and ST_DTYPES[st].is_floating_point else st
+
+    moe = set(selected)
+    plan = []
+    for name in sorted(tensors, key=_natural_key):
+        _, shape, st = tensors[name]
+        if tied and name == "lm_head.weight":
+            continue  # tied to the embeddings: the native model ties it again on load
+        m = LAYER_RE.match(name)
+        proj = name[m.end():].removeprefix("mlp.").removesuffix(".weight") if m else None
+        if m and int(m.group(1)) in moe and name == f"{m.group(0)}mlp.{proj}.weight" and proj in FFN_PROJS:
+            block = f"{m.group(0)}{family.moe_prefix}"
+            if proj == FFN_PROJS[0]:  # the router, before the experts of its layer
+                hidden = shape[1]
+                plan.append(_Tensor(f"{block}.gate.weight", (experts, hidden), dtype_of(st),
+                                    router_layer=int(m.group(1))))
+            for e in range(experts):
+                plan.append(_Tensor(f"{block}.experts.{e}.{family.expert_names[proj]}.weight", shape, dtype_of(st),
+                                    source=name, noise_key=(int(m.group(1)), FFN_PROJS.index(proj), e)))
+        else:
+            plan.append(_Tensor(name, shape, dtype_of(st), source=name))
+    return plan
+
+
+def _natural_key(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _shards(plan: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:
+    shards, size = [[]], 0
+    for t in plan:
+        if shards[-1] and size + t.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    # within a file, larger elements first (as safetensors does) so every tensor starts aligned to its element size
+    return [sorted(s, key=lambda t: -ST_DTYPES[t.dtype].itemsize) for s in shards]
+
+
+class _Reader:
+    """Reads plan tensors one at a time, keeping only the last one (the next expert copies it again)."""
+
+    def __init__(self, tensors: dict, seed: int, router_std: float, noise: float = 0.0):
+        self.tensors, self.seed, self.router_std, self.noise = tensors, seed, router_std, noise
+        self.last: tuple | None = None
+
+    def __call__(self, t: _Tensor) -> torch.Tensor:
+        if self.noise > 0 and t.noise_key is not None:
+            base = self._read(t)
+            # seeded by (seed, layer, projection, expert): reproducible, and independent of the writing order
+            layer, proj, expert = t.noise_key
+            g = torch.Generator().manual_seed(((self.seed * 1_000_003 + layer) * 3 + proj) * 4099 + expert + 1)
+            w = base.float()
+            return (w + torch.randn(w.shape, generator=g) * (self.noise * w.std())).to(base.dtype)
+        return self._read(t)
+
+    def _read(self, t: _Tensor) -> torch.Tensor:
+        key = (t.source, t.router_layer, t.dtype)
+        if self.last is not None and self.last[0] == key:
+            return self.last[1]
+        self.last = None  # free the previous tensor before reading the next one
+        if t.router_layer is not None:
+            # one generator per layer: a router depends on (seed, layer) only, not on the other layers chosen
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + t.router_layer)
+            value = (torch.randn(t.shape, generator=g, dtype=torch.float32) * self.router_std).to(ST_DTYPES[t.dtype])
+        else:
+            path = self.tensors[t.source][0]
+            try:
+                with safe_open(str(path), framework="pt") as f:  # opened per tensor: no mapping outlives its read
+                    value = f.get_tensor(t.source)
+            except (SafetensorError, OSError, ValueError) as e:
+                raise MoECompileError(f"cannot read {t.source} from {path}: {e}") from None
+            value = value.to(ST_DTYPES[t.dtype])
+        self.last = (key, value.contiguous())
+        return self.last[1]
+
+
+def _write_shard(path: Path, entries: list[_Tensor], read: _Reader, bar) -> None:
+    """One safetensors file written tensor by tensor: the header (known from the plan) first, then each tensor's
+    bytes as soon as it is read, so a shard is never held in memory."""
+    header, offset = {}, 0
+    for t in entries:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors pads it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in entries:
+            value = read(t)
+            data = value.reshape(-1).view(torch.uint8).numpy() if value.numel() else b""
+            if len(data) != t.nbytes:
+                raise MoECompileError(f"{t.source}: read {len(data)} bytes, its header says {t.nbytes}")
+            f.write(data)
+            bar.update(t.nbytes)
+
+
+# ------------------------------------------------------------------------------------------------------ conversion
+
+def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: int, top_k: int = 2, layers=None,
+                   seed: int = 0, dtype: str | torch.dtype | None = None,
+                   max_shard_size: str | int = DEFAULT_SHARD_SIZE, router_std: float = 0.02, noise: float = 0.0,
+                   progress: bool = True) -> NativeResult:
+    """Upcycle the dense HF checkpoint folder `source` into `out` in its native HF MoE architecture (see
+    native_support), streaming: every expert a copy of the dense FFN, routers normal(0, router_std) drawn from
+    `seed`. `noise` > 0 adds normal noise of noise * std(W) to each expert copy of W (as moeize's upcycle does:
+    breaks the symmetry of the copies, no longer exactly the dense model). `dtype` converts floating tensors while
+    streaming. `out` appears complete or not at all."""
+    start = time.perf_counter()
+    source = Path(source)
+    if not source.is_dir():
+        raise MoECompileError(f"no such checkpoint folder: {source}")
+    check_output_dir(out)  # before reading any weight
+    out_dtype = _parse_dtype(dtype)
+    max_bytes = parse_size(max_shard_size)
+    if router_std < 0 or noise < 0:
+        raise MoECompileError(f"router_std and noise must be >= 0, got {router_std} and {noise}")
+    cfg = read_config(source)
+    dtype_name = str(out_dtype).removeprefix("torch.") if out_dtype is not None else None
+    config = native_config(cfg, experts, top_k, layers, dtype_name)  # validates family, layers, experts, top_k
+    family = FAMILIES[_architecture(cfg)]
+    selected = _select_layers(layers, cfg["num_hidden_layers"])
+    tensors = source_tensors(source)
+    _check_source(cfg, source, tensors)
+    plan = _plan(tensors, family, selected, experts, out_dtype, bool(config.get("tie_word_embeddings")))
+    if "dtype" not in config:  # the source config named none: that of the embeddings
+        config["dtype"] = config["torch_dtype"] = str(ST_DTYPES[next(
+            t.dtype for t in plan if t.name.endswith("embed_tokens.weight"))]).removeprefix("torch.")
+    shards = _shards(plan, max_bytes)
+    names = ([WEIGHTS] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    total = sum(t.nbytes for t in plan)
+    read = _Reader(tensors, seed, router_std, noise)
+    with atomic_directory(out) as tmp, tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                                            desc=f"upcycle -> {family.target}", disable=not progress) as bar:
+        for name, entries in zip(names, shards):
+            _write_shard(tmp / name, entries, read, bar)
+        read.last = None
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {t.name: n for n, s in zip(names, shards) for t in s}}
+            (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_config(tmp, config)
+        copy_tokenizer(source, tmp)
+        for extra in EXTRA_FILES:
+            if (source / extra).is_file():
+                shutil.copy2(source / extra, tmp / extra)
+
+    def params(entries):
+        return sum(t.nbytes // ST_DTYPES[t.dtype].itemsize for t in entries)
+
+    src = [_Tensor(k, shape, st) for k, (_, shape, st) in tensors.items()]
+    return NativeResult(Path(out), family.target, params(src), params(plan), total, len(shards), selected,
+                        time.perf_counter() - start)
+
+
+def _parse_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if dtype is not None and not dtype.is_floating_point:
+            raise MoECompileError(f"dtype must be a floating type, got {dtype}")
+        return dtype
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in DTYPE_NAMES:
+        raise MoECompileError(f"unknown dtype {dtype!r}; expected one of {', '.join(sorted(DTYPE_NAMES))}")
+    return DTYPE_NAMES[name]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moecompile.conversion.native", description=__doc__.split("\n")[0])
+    p.add_argument("source", help="dense HF checkpoint folder (safetensors)")
+    p.add_argument("out", help="output folder (must not exist or be empty)")
+    p.add_argument("--experts", type=int, required=True)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--layers", default=None, help="Qwen3 only: which FFNs become MoE (all, even, odd, 0,2,5-7)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--noise", type=float, default=0.0, help="relative noise added to each expert copy")
+    p.add_argument("--dtype", default=None, help="convert floating tensors (float32, bfloat16, float16)")
+    p.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE)
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        r = upcycle_native(a.source, a.out, a.experts, a.top_k, a.layers, a.seed, a.dtype, a.max_shard_size,
+                           noise=a.noise, progress=not a.no_progress)
+    except MoECompileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps({**r.__dict__, "out": str(r.out)}))
+    else:
+        print(f"{r.target}: {r.source_params / 1e9:.3f}B -> {r.output_params / 1e9:.3f}B parameters, "
+              f"{r.output_bytes / 1e9:.2f} GB in {r.shards} shard(s), {r.seconds:.1f} s -> {r.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

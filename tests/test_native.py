@@ -1,0 +1,317 @@
+"""Streaming upcycle into native HF MoE architectures (moecompile.conversion.native).
+
+The converted folders are loaded by plain transformers in a fresh subprocess that never imports moecompile: the
+output must stand on its own, with no missing or unexpected keys, and compute the dense model's logits.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from moecompile.conversion import native
+from moecompile.conversion.native import native_support, native_target, parse_size, upcycle_native
+from moecompile.errors import MoECompileError
+
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
+            intermediate_size=48, max_position_embeddings=64, initializer_range=0.2)  # large init: logits ~1
+SOURCES = {
+    "llama": lambda: transformers.LlamaConfig(**TINY),
+    "mistral": lambda: transformers.MistralConfig(sliding_window=4, **TINY),  # window shorter than the probe
+    "qwen3": lambda: transformers.Qwen3Config(head_dim=8, tie_word_embeddings=True, **TINY),  # head_dim != 32/2
+}
+
+# run by a fresh interpreter: plain transformers, no moecompile
+CHECK = r"""
+import json, sys, torch, transformers
+pairs = json.loads(sys.argv[1])
+torch.manual_seed(0)
+ids = torch.randint(0, 128, (2, 11))
+results = {}
+for src, out in pairs:
+    dense = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    moe, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    with torch.no_grad():
+        want, got = dense(ids).logits, moe.eval()(ids).logits
+    results[out] = {"class": type(moe).__name__, "dtype": str(moe.dtype),
+                    "problems": {k: [str(x) for x in v] for k, v in info.items() if v},
+                    "max_diff": (got.float() - want.float()).abs().max().item(), "logit_std": want.std().item()}
+results["moecompile_imported"] = any(m.split(".")[0] == "moecompile" for m in sys.modules)
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dense")
+    out = {}
+    for name, make in SOURCES.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(make())
+        model.save_pretrained(root / name)
+        (root / name / "tokenizer_config.json").write_text("{}")  # copied along
+        out[name] = root / name
+    # a config.json as transformers 4 wrote it (rope_theta, rope_scaling, torch_dtype), and a stored rotary buffer
+    legacy = {"rope_theta": 500000.0, "torch_dtype": "float32", "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}}
+    out["llama-v4"] = _copy(out["llama"], root / "llama-v4", lambda c: {
+        **{k: v for k, v in c.items() if k not in ("rope_parameters", "dtype")}, **legacy},
+        add={"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(sources, tmp_path_factory) -> dict[str, tuple[Path, Path, native.NativeResult]]:
+    """name -> (source, output, result) for every conversion the load check covers."""
+    root = tmp_path_factory.mktemp("moe")
+    runs = {name: (name, {}) for name in SOURCES}
+    runs["llama-sharded"] = ("llama", {"max_shard_size": "40KB"})
+    runs["qwen3-layer1"] = ("qwen3", {"layers": "1"})
+    runs["mistral-bf16"] = ("mistral", {"dtype": "bf16"})
+    runs["llama-v4"] = ("llama-v4", {})
+    done = {}
+    for name, (src, kw) in runs.items():
+        result = upcycle_native(sources[src], root / name, experts=4, top_k=2, seed=1, progress=False, **kw)
+        done[name] = (sources[src], root / name, result)
+    return done
+
+
+@pytest.fixture(scope="module")
+def loaded(converted) -> dict:
+    pairs = [[str(src), str(out)] for src, out, _ in converted.values()]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", CHECK, json.dumps(pairs)], capture_output=True, text=True,
+                          env=env, cwd="/", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_fresh_transformers_never_imports_moecompile(loaded):
+    assert loaded["moecompile_imported"] is False
+
+
+@pytest.mark.parametrize("name, cls", [("llama", "MixtralForCausalLM"), ("mistral", "MixtralForCausalLM"),
+                                       ("qwen3", "Qwen3MoeForCausalLM"), ("llama-sharded", "MixtralForCausalLM"),
+                                       ("qwen3-layer1", "Qwen3MoeForCausalLM"),
+                                       ("llama-v4", "MixtralForCausalLM")])
+def test_native_model_loads_and_equals_dense(converted, loaded, name, cls):
+    r = loaded[str(converted[name][1])]
+    assert r["class"] == cls
+    assert r["problems"] == {}  # no missing, unexpected or mismatched keys
+    assert r["logit_std"] > 0.1  # a real comparison, not of near-zero logits
+    assert r["max_diff"] < 1e-5
+
+
+def test_dtype_converted_while_streaming(converted, loaded):
+    _, out, _ = converted["mistral-bf16"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    r = loaded[str(out)]
+    assert r["problems"] == {} and r["dtype"] == "torch.bfloat16"
+    assert r["max_diff"] < 0.1 * r["logit_std"]  # bf16 rounding only
+
+
+def test_native_configs(converted):
+    mixtral = json.loads((converted["mistral"][1] / "config.json").read_text())
+    assert mixtral["architectures"] == ["MixtralForCausalLM"] and mixtral["model_type"] == "mixtral"
+    assert (mixtral["num_local_experts"], mixtral["num_experts_per_tok"]) == (4, 2)
+    assert mixtral["sliding_window"] == 4 and mixtral["router_jitter_noise"] == 0.0
+    assert mixtral["output_router_logits"] is False and mixtral["intermediate_size"] == 48
+    assert mixtral["initializer_range"] == 0.2 and mixtral["dtype"] == "float32"
+    qwen = json.loads((converted["qwen3-layer1"][1] / "config.json").read_text())
+    assert qwen["architectures"] == ["Qwen3MoeForCausalLM"] and qwen["head_dim"] == 8
+    assert qwen["num_experts"] == 4 and qwen["moe_intermediate_size"] == 48 and qwen["norm_topk_prob"] is True
+    assert qwen["mlp_only_layers"] == [0] and qwen["decoder_sparse_step"] == 1 and qwen["tie_word_embeddings"]
+    legacy = json.loads((converted["llama-v4"][1] / "config.json").read_text())
+    assert legacy["rope_parameters"]["rope_theta"] == 500000.0 and legacy["rope_parameters"]["rope_type"] == "llama3"
+    assert legacy["dtype"] == "float32" and "rope_theta" not in legacy
+    assert not any("inv_freq" in k for k in load_file(converted["llama-v4"][1] / "model.safetensors"))
+    assert (converted["qwen3"][1] / "tokenizer_config.json").is_file()
+    assert (converted["qwen3"][1] / "generation_config.json").is_file()
+
+
+def test_published_tensor_layout(converted):
+    """The names HF publishes and save_pretrained writes; a tied lm_head is not stored."""
+    mixtral = load_file(converted["llama"][1] / "model.safetensors")
+    dense = load_file(converted["llama"][0] / "model.safetensors")
+    for e in range(4):
+        for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+            assert torch.equal(mixtral[f"model.layers.1.block_sparse_moe.experts.{e}.{mine}.weight"],
+                               dense[f"model.layers.1.mlp.{theirs}.weight"])
+    router = mixtral["model.layers.0.block_sparse_moe.gate.weight"]
+    assert router.shape == (4, 32) and 0.01 < router.std() < 0.03
+    assert not any(".mlp." in k for k in mixtral)
+    qwen = load_file(converted["qwen3-layer1"][1] / "model.safetensors")
+    assert "lm_head.weight" not in qwen and "model.layers.0.mlp.gate_proj.weight" in qwen
+    assert qwen["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (32, 48)
+
+
+def test_sharded_output_has_an_index(converted):
+    src, out, result = converted["llama-sharded"]
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(shards) == result.shards > 2 and not (out / "model.safetensors").exists()
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert all(p.stat().st_size <= 40_000 + 4096 for p in out.glob("*.safetensors"))  # + header
+    whole = {k: v for s in shards for k, v in load_file(out / s).items()}
+    assert set(whole) == set(index["weight_map"]) and index["metadata"]["total_size"] == result.output_bytes
+    single = load_file(converted["llama"][1] / "model.safetensors")
+    assert set(single) == set(whole)
+    assert [k for k in single if not torch.equal(single[k], whole[k])] == []  # routers too: same seed
+
+
+def test_same_seed_gives_identical_bytes(sources, converted, tmp_path):
+    again = upcycle_native(sources["llama"], tmp_path / "again", experts=4, top_k=2, seed=1, progress=False)
+    first = converted["llama"][1]
+    assert (first / "model.safetensors").read_bytes() == (again.out / "model.safetensors").read_bytes()
+    other = upcycle_native(sources["llama"], tmp_path / "other", experts=4, top_k=2, seed=2, progress=False)
+    a, b = load_file(first / "model.safetensors"), load_file(other.out / "model.safetensors")
+    assert not torch.equal(a["model.layers.0.block_sparse_moe.gate.weight"],
+                           b["model.layers.0.block_sparse_moe.gate.weight"])
+    assert torch.equal(a["model.embed_tokens.weight"], b["model.embed_tokens.weight"])
+
+
+def test_noise_makes_experts_differ_reproducibly(sources, tmp_path):
+    runs = [upcycle_native(sources["llama"], tmp_path / f"n{i}", experts=3, noise=0.01, seed=4, progress=False)
+            for i in range(2)]
+    a, b = (load_file(r.out / "model.safetensors") for r in runs)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    dense = load_file(sources["llama"] / "model.safetensors")["model.layers.1.mlp.up_proj.weight"]
+    copies = [a[f"model.layers.1.block_sparse_moe.experts.{e}.w3.weight"] for e in range(3)]
+    assert not torch.equal(copies[0], copies[1])
+    for c in copies:
+        assert 0.005 < ((c - dense).std() / dense.std()).item() < 0.02
+
+
+def test_parameter_counts(converted):
+    r = converted["llama"][2]
+    ffn = 3 * 32 * 48
+    assert r.output_params == r.source_params + 2 * (3 * ffn + 4 * 32)  # per layer: 3 more experts and a router
+    assert r.output_bytes == 4 * r.output_params and r.target == "MixtralForCausalLM" and r.moe_layers == [0, 1]
+
+
+def _copy(src: Path, dst: Path, config_edit=None, drop: str | None = None, add: dict | None = None) -> Path:
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config_edit(config) if config_edit else config))
+    tensors = load_file(src / "model.safetensors")
+    tensors.pop(drop, None)
+    tensors.update(add or {})
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def _nothing_left(parent: Path, before: set[str]) -> bool:
+    return {p.name for p in parent.iterdir()} == before
+
+
+@pytest.mark.parametrize("layers, message", [(3, "num_hidden_layers=3 but the weights hold layers 0-1"),
+                                             (1, "num_hidden_layers=1 but the weights hold layers 0-1")])
+def test_layer_count_mismatch(sources, tmp_path, layers, message):
+    src = _copy(sources["llama"], tmp_path / "src", lambda c: {**c, "num_hidden_layers": layers})
+    (tmp_path / "outs").mkdir()
+    with pytest.raises(MoECompileError, match=message):
+        upcycle_native(src, tmp_path / "outs" / "moe", experts=4, progress=False)
+    assert _nothing_left(tmp_path / "outs", set())
+
+
+def test_missing_tensor(sources, tmp_path):
+    src = _copy(sources["qwen3"], tmp_path / "src", drop="model.layers.1.self_attn.k_norm.weight")
+    with pytest.raises(MoECompileError, match="1 tensors missing.*layers.1.self_attn.k_norm"):
+        upcycle_native(src, tmp_path / "moe", experts=4, progress=False)
+
+
+def test_unexpected_tensor_and_bad_shape(sources, tmp_path):
+    src = _copy(sources["llama"], tmp_path / "src", lambda c: {**c, "intermediate_size": 40})
+    with pytest.raises(MoECompileError, match="has shape .*config.json implies"):
+        upcycle_native(src, tmp_path / "moe", experts=4, progress=False)
+
+
+def test_unsupported_architecture(tmp_path):
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=128)
+    config.architectures = ["GPT2LMHeadModel"]
+    target, reason = native_support(config)
+    assert target is None and "GPT2LMHeadModel" in reason and "LlamaForCausalLM -> MixtralForCausalLM" in reason
+    assert native_target(config) is None
+    config.save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(MoECompileError, match="no native MoE architecture for GPT2LMHeadModel"):
+        upcycle_native(tmp_path / "gpt2", tmp_path / "moe", experts=4, progress=False)
+    assert _nothing_left(tmp_path, {"gpt2"})
+
+
+def test_native_target(sources):
+    assert native_target(sources["llama"]) == "MixtralForCausalLM"
+    assert native_target(transformers.MistralConfig(architectures=["MistralForCausalLM"])) == "MixtralForCausalLM"
+    assert native_target(sources["qwen3"], layers="even") == "Qwen3MoeForCausalLM"  # mlp_only_layers
+    assert native_target(transformers.Qwen3Config()) == "Qwen3MoeForCausalLM"  # no architectures: its model_type
+    target, reason = native_support(sources["llama"], layers="0")
+    assert target is None and "all 2 FFNs" in reason and "--format moecompile" in reason
+    biased = transformers.LlamaConfig(architectures=["LlamaForCausalLM"], attention_bias=True)
+    assert native_target(biased) is None and "bias" in native_support(biased)[1]
+
+
+def test_llama_needs_all_layers(sources, tmp_path):
+    with pytest.raises(MoECompileError, match="MixtralForCausalLM has no dense layers.*--format moecompile"):
+        upcycle_native(sources["llama"], tmp_path / "moe", experts=4, layers="0", progress=False)
+
+
+@pytest.mark.parametrize("experts, top_k, message", [(0, 1, "experts must be"), (4, 5, "top_k must be"),
+                                                      (4, 0, "top_k must be"), (2.5, 1, "experts must be")])
+def test_bad_experts_or_top_k(sources, tmp_path, experts, top_k, message):
+    with pytest.raises(MoECompileError, match=message):
+        upcycle_native(sources["llama"], tmp_path / "moe", experts=experts, top_k=top_k, progress=False)
+    assert _nothing_left(tmp_path, set())
+
+
+def test_failure_while_writing_leaves_nothing(sources, tmp_path, monkeypatch):
+    calls = []
+
+    def failing(self, t):
+        calls.append(t.name)
+        if len(calls) > 5:
+            raise MoECompileError("disk full")
+        return real(self, t)
+
+    real = native._Reader.__call__
+    monkeypatch.setattr(native._Reader, "__call__", failing)
+    (tmp_path / "outs").mkdir()
+    with pytest.raises(MoECompileError, match="disk full"):
+        upcycle_native(sources["llama"], tmp_path / "outs" / "moe", experts=4, max_shard_size="10KB",
+                       progress=False)
+    assert _nothing_left(tmp_path / "outs", set())
+
+
+def test_existing_output_refused(sources, tmp_path):
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "x").write_text("keep")
+    with pytest.raises(MoECompileError, match="not empty"):
+        upcycle_native(sources["llama"], tmp_path / "moe", experts=4, progress=False)
+    assert (tmp_path / "moe" / "x").read_text() == "keep"
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 500 * 10**6
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size("10kb") == 10_000 and parse_size(1234) == 1234
+    for bad in ("5 parsecs", "0", "-1GB", ""):
+        with pytest.raises(MoECompileError):
+            parse_size(bad)
+
+
+def test_module_entry_point(sources, tmp_path, capsys):
+    assert native.main([str(sources["qwen3"]), str(tmp_path / "moe"), "--experts", "2", "--top-k", "1", "--json",
+                        "--no-progress"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["target"] == "Qwen3MoeForCausalLM" and result["shards"] == 1
+    assert native.main([str(sources["qwen3"]), str(tmp_path / "moe2"), "--experts", "2", "--top-k", "3"]) == 2
+    assert "top_k must be" in capsys.readouterr().err
