@@ -88,9 +88,16 @@ def write_source(directory: Path, size: str, seed: int = 0) -> int:
     return params
 
 
+# the conversion alone, in its own process so that /usr/bin/time measures its peak memory
+UPCYCLE = """import json, sys
+from moecompile.conversion.native import upcycle_native
+r = upcycle_native(sys.argv[1], sys.argv[2], int(sys.argv[3]), top_k=2, progress=False)
+print(json.dumps({**r.__dict__, "out": str(r.out)}))
+"""
+
+
 def run_upcycle(source: Path, out: Path, experts: int) -> dict:
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "moecompile.conversion.native", str(source), str(out),
-           "--experts", str(experts), "--top-k", "2", "--json", "--no-progress"]
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-c", UPCYCLE, str(source), str(out), str(experts)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)

@@ -143,6 +143,9 @@ def compile(model, *, fullgraph: bool = False, dynamic: bool | None = None, **op
 
     Options (see OPTIONS): inductor, mode, inductor_config, fuse, capacity_factor, print_graph, fp8,
     expert_parallel."""
+    recorded = getattr(getattr(model, "config", None), "moecompile", None)  # a native checkpoint's conversion record
+    if isinstance(recorded, dict) and "capacity_factor" in recorded:
+        options.setdefault("capacity_factor", recorded["capacity_factor"])
     resolve_options(options)  # fail here, not at the first call
     return torch.compile(model, backend=moecompile_backend, fullgraph=fullgraph, dynamic=dynamic,
                          options=options or None)

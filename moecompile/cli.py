@@ -15,9 +15,6 @@ import time
 from moecompile.errors import MoECompileError
 from moecompile.ir import knobs  # torch-free: the arguments are checked before any heavy import
 
-# --dtype's names -> torch dtype names (torch itself is imported by the commands: --help stays fast)
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,7 +32,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="upcycle: experts are copies of the FFN; split: FFN neurons partitioned into experts")
     c.add_argument("--layers", default=None, help="which FFNs: all (default), even, odd, or e.g. 0,2,5-7")
     c.add_argument("--out", default=None, help="output folder (default ./<model>-moe<experts>)")
-    c.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="save weights in this dtype")
+    c.add_argument("--format", choices=knobs.FORMATS, default="auto",
+                   help="auto (default): the family's native Hugging Face MoE architecture where one expresses the "
+                        "conversion (LLaMA/Mistral -> Mixtral, Qwen3 -> Qwen3-MoE), else moecompile's; hf: native or "
+                        "an error; moecompile: always moecompile's format")
+    c.add_argument("--dtype", choices=sorted(knobs.DTYPES), default=None, help="save weights in this dtype")
     c.add_argument("--random-init", action="store_true", help="build the model from its config with random weights")
     c.add_argument("--noise", type=float, default=0.0, help="upcycle: relative noise added to each expert copy")
     c.add_argument("--seed", type=int, default=0,
@@ -171,6 +172,13 @@ def convert(a) -> int:
     out = checkpoint.check_output_dir(a.out or _default_out(a.model, a.experts))
     progress = not a.no_progress
     start = time.perf_counter()
+    if a.format != "moecompile":
+        directory, target, reason = _native_target(a, models)
+        if target is not None:
+            return _convert_native(a, directory, out, start)
+        if a.format == "hf":
+            raise MoECompileError(f"--format hf: {reason}")
+        print(f"writing moecompile's format: {reason}")
     torch.manual_seed(a.seed)  # --random-init weights and the routers' initialisation: one seed, reproducible output
     source = models.load_source(a.model, random_init=a.random_init, progress=progress)
     model = source.model.eval()
@@ -195,7 +203,7 @@ def convert(a) -> int:
         fp8.quantize(model, progress=progress)  # from the converted weights, before any --dtype rounding
         fp8_err = _rel_err(_probe_output(model, probe_args, probe_kwargs), moe_out)
     if a.dtype:
-        model.to(getattr(torch, DTYPES[a.dtype]))
+        model.to(getattr(torch, knobs.DTYPES[a.dtype]))
     checkpoint.save(model, out, tokenizer_dir=source.directory, max_shard_size=a.max_shard_size, progress=progress,
                     extra_files=extra)
     moe = report.parameter_counts(model)
@@ -212,6 +220,39 @@ def convert(a) -> int:
         print(f"  FP8 experts (float8_e4m3fn, 128x128 block scales): output vs unquantised, relative error "
               f"{fp8_err:.3g}")
     print(f"  saved to {out} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _native_target(a, models) -> tuple:
+    """(source folder, native class name or None, why not): whether convert writes a native HF MoE checkpoint."""
+    from moecompile.conversion.native import native_support
+
+    directory = None if a.random_init else models.source_dir(a.model)
+    if directory is None:
+        return None, None, "the model is built from its config, not streamed from a checkpoint folder"
+    if a.method != "upcycle" or a.calib is not None:
+        return directory, None, "a neuron split has no native Hugging Face MoE form here yet"
+    if a.fp8:
+        return directory, None, "FP8 experts are written in the native form only by `moecompile quantize` of it"
+    return (directory, *native_support(directory, a.layers))
+
+
+def _convert_native(a, directory, out, start: float) -> int:
+    """Stream the dense checkpoint into its native HF MoE architecture: no model is built, memory stays flat."""
+    from moecompile import report
+    from moecompile.conversion.native import upcycle_native
+
+    record = {"capacity_factor": a.capacity_factor, "method": "upcycle", "source": a.model}
+    r = upcycle_native(directory, out, a.experts, a.top_k, a.layers, a.seed, a.dtype, a.max_shard_size,
+                       noise=a.noise, progress=not a.no_progress, record=record)
+    print(f"converted {a.model}: {len(r.moe_layers)} FFNs -> {r.target} (upcycle, {a.experts} experts, top-{a.top_k}), "
+          "native Hugging Face format: AutoModelForCausalLM loads it without moecompile")
+    print(f"  parameters: dense {report.human(r.source_params)} -> total {report.human(r.output_params)}")
+    print(f"  transformers runs it dropless (exactly the dense model at init); capacity factor {a.capacity_factor} "
+          "is recorded in config.json for moecompile.compile")
+    files = sorted(f for f in out.iterdir() if f.is_file())
+    print(f"  wrote {len(files)} files, {r.output_bytes / 1e9:.2f} GB of weights in {r.shards} shard(s), to {out} in "
+          f"{time.perf_counter() - start:.1f} s")
     return 0
 
 

@@ -308,10 +308,49 @@ def test_parse_size():
             parse_size(bad)
 
 
-def test_module_entry_point(sources, tmp_path, capsys):
-    assert native.main([str(sources["qwen3"]), str(tmp_path / "moe"), "--experts", "2", "--top-k", "1", "--json",
-                        "--no-progress"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["target"] == "Qwen3MoeForCausalLM" and result["shards"] == 1
-    assert native.main([str(sources["qwen3"]), str(tmp_path / "moe2"), "--experts", "2", "--top-k", "3"]) == 2
-    assert "top_k must be" in capsys.readouterr().err
+def test_cli_writes_the_native_format_by_default(sources, tmp_path, capsys):
+    import moecompile
+    from moecompile import cli
+
+    out = tmp_path / "moe"
+    assert cli.main(["convert", str(sources["llama"]), "--experts", "4", "--out", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "-> MixtralForCausalLM" in text and "capacity factor 1.2 is recorded" in text
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and "moe" not in config
+    assert config["moecompile"] == {"capacity_factor": 1.2, "method": "upcycle", "source": str(sources["llama"])}
+    assert (out / "README.md").read_text().startswith("# MixtralForCausalLM upcycled from")
+    model = moecompile.load(out)  # transformers' own class, the dense model's logits
+    dense = transformers.AutoModelForCausalLM.from_pretrained(sources["llama"]).eval()
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    assert type(model).__name__ == "MixtralForCausalLM" and not model.training
+    with torch.no_grad():
+        assert (model(ids).logits - dense(ids).logits).abs().max() < 1e-5
+
+
+def test_compile_applies_the_recorded_capacity_factor(sources, tmp_path, monkeypatch):
+    import moecompile
+
+    upcycle_native(sources["qwen3"], tmp_path / "moe", experts=4, top_k=2, progress=False,
+                   record={"capacity_factor": 1.25})
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.update(kw))
+    moecompile.compile(moecompile.load(tmp_path / "moe"))
+    assert seen["options"] == {"capacity_factor": 1.25}
+
+
+def test_cli_format_choices(sources, tmp_path, capsys):
+    from moecompile import cli
+
+    kept = tmp_path / "kept"
+    args = ["convert", str(sources["llama"]), "--experts", "4", "--no-progress", "--capacity-factor", "0"]
+    assert cli.main([*args, "--format", "moecompile", "--out", str(kept)]) == 0
+    assert "moe" in json.loads((kept / "config.json").read_text())
+    assert cli.main([*args, "--layers", "0", "--out", str(tmp_path / "partial")]) == 0  # Mixtral: all layers or none
+    assert "writing moecompile's format: " in capsys.readouterr().out
+    bad = tmp_path / "gpt2"
+    assert cli.main(["convert", "tiny-gpt2", "--random-init", "--experts", "4", "--format", "hf", "--out", str(bad),
+                     "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moecompile: error: --format hf: ") and "\n" not in err
+    assert not bad.exists()

@@ -159,14 +159,20 @@ def _from_dir(directory: Path, name: str, random_init: bool, progress: bool) -> 
     return Source(model, name, directory, False)
 
 
-def load_source(name: str, random_init: bool = False, progress: bool = True) -> Source:
-    """Resolve MODEL (a path, a cached or packaged name, or a known config with random_init) to a dense model."""
+def source_dir(name: str) -> Path | None:
+    """The checkpoint folder load_source reads for `name` (a path, a packaged or cached model), or None for a name
+    only known as a config."""
     path = Path(os.path.expanduser(name))
     if path.exists():
         if not (path / "config.json").is_file():
             raise MoECompileError(f"{path} has no config.json: not a Hugging Face model folder")
-        return _from_dir(path, name, random_init, progress)
-    directory = packaged_dir(name) or cached_dir(name)
+        return path
+    return packaged_dir(name) or cached_dir(name)
+
+
+def load_source(name: str, random_init: bool = False, progress: bool = True) -> Source:
+    """Resolve MODEL (a path, a cached or packaged name, or a known config with random_init) to a dense model."""
+    directory = source_dir(name)
     if directory is not None:
         return _from_dir(directory, name, random_init, progress)
     if name in KNOWN_CONFIGS:

@@ -20,13 +20,11 @@ converted model computes the dense model's function exactly (up to rounding) unt
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import shutil
 import struct
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +34,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from moecompile.errors import MoECompileError
+from moecompile.ir import knobs
 from moecompile.io.checkpoint import (
     DEFAULT_SHARD_SIZE,
     WEIGHTS,
@@ -56,8 +55,6 @@ ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "
              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
-DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-               "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -204,7 +201,7 @@ def native_config(config, experts: int, top_k: int, layers=None, dtype: str | No
     target, reason = native_support(cfg, layers)
     if target is None:
         raise MoECompileError(f"cannot upcycle into a native MoE architecture: {reason}")
-    _check_counts(experts, top_k)
+    knobs.check_top_k(top_k, knobs.check_experts(experts))
     dtype = dtype or cfg.get("dtype") or cfg.get("torch_dtype")
     cfg = _normalised(cfg)
     family = FAMILIES[cfg["architectures"][0]]
@@ -230,13 +227,6 @@ def native_config(config, experts: int, top_k: int, layers=None, dtype: str | No
     if dtype:
         out["dtype"] = out["torch_dtype"] = str(dtype).removeprefix("torch.")  # transformers 5 / 4 spellings
     return out
-
-
-def _check_counts(experts, top_k) -> None:
-    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
-        raise MoECompileError(f"experts must be an integer >= 1, got {experts!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
-        raise MoECompileError(f"top_k must be an integer between 1 and experts ({experts}), got {top_k!r}")
 
 
 # ------------------------------------------------------------------------------------------------- source reading
@@ -441,12 +431,14 @@ def _write_shard(path: Path, entries: list[_Tensor], read: _Reader, bar) -> None
 def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: int, top_k: int = 2, layers=None,
                    seed: int = 0, dtype: str | torch.dtype | None = None,
                    max_shard_size: str | int = DEFAULT_SHARD_SIZE, router_std: float = 0.02, noise: float = 0.0,
-                   progress: bool = True) -> NativeResult:
+                   progress: bool = True, record: dict | None = None) -> NativeResult:
     """Upcycle the dense HF checkpoint folder `source` into `out` in its native HF MoE architecture (see
     native_support), streaming: every expert a copy of the dense FFN, routers normal(0, router_std) drawn from
     `seed`. `noise` > 0 adds normal noise of noise * std(W) to each expert copy of W (as moeize's upcycle does:
     breaks the symmetry of the copies, no longer exactly the dense model). `dtype` converts floating tensors while
-    streaming. `out` appears complete or not at all."""
+    streaming. `record` (how it was made: capacity factor, source, ...) goes into config.json's "moecompile" entry,
+    which transformers ignores and moecompile reads, and into the model card README.md. `out` appears complete or
+    not at all."""
     start = time.perf_counter()
     source = Path(source)
     if not source.is_dir():
@@ -459,6 +451,8 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
     cfg = read_config(source)
     dtype_name = str(out_dtype).removeprefix("torch.") if out_dtype is not None else None
     config = native_config(cfg, experts, top_k, layers, dtype_name)  # validates family, layers, experts, top_k
+    if record:
+        config["moecompile"] = dict(record)
     family = FAMILIES[_architecture(cfg)]
     selected = _select_layers(layers, cfg["num_hidden_layers"])
     tensors = source_tensors(source)
@@ -483,6 +477,8 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
             (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         write_config(tmp, config)
         copy_tokenizer(source, tmp)
+        (tmp / "README.md").write_text(_model_card(source, family.target, experts, top_k, selected, seed, noise,
+                                                   record or {}))
         for extra in EXTRA_FILES:
             if (source / extra).is_file():
                 shutil.copy2(source / extra, tmp / extra)
@@ -495,44 +491,38 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
                         time.perf_counter() - start)
 
 
+def _model_card(source: Path, target: str, experts: int, top_k: int, selected: list[int], seed: int, noise: float,
+                record: dict) -> str:
+    exact = ("every expert a copy of the dense FFN and the top-k weights renormalised, so the model equals the dense "
+             "one exactly while no token is dropped (transformers runs it dropless)" if not noise else
+             f"every expert a copy of the dense FFN plus normal noise of {noise} x std(W): close to the dense model, "
+             "not equal")
+    lines = [f"# {target} upcycled from {record.get('source', source.name)}", "",
+             f"Made with moecompile: each FFN of layers {_ranges(selected)} became a {target} sparse block of "
+             f"{experts} experts, top-{top_k}, softmax routing (routers drawn from normal(0, 0.02), seed {seed}); "
+             f"{exact}.", ""]
+    if "capacity_factor" in record:
+        lines += [f"Capacity factor chosen at conversion: {record['capacity_factor']} (config.json `moecompile`; "
+                  "`moecompile.compile` applies it, transformers runs dropless).", ""]
+    lines += ["Load it with plain transformers: `AutoModelForCausalLM.from_pretrained(folder)`.", ""]
+    return "\n".join(lines)
+
+
+def _ranges(layers: list[int]) -> str:
+    runs, start = [], layers[0]
+    for prev, cur in zip(layers, layers[1:] + [None]):
+        if cur != prev + 1 if cur is not None else True:
+            runs.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(runs)
+
+
 def _parse_dtype(dtype) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         if dtype is not None and not dtype.is_floating_point:
             raise MoECompileError(f"dtype must be a floating type, got {dtype}")
         return dtype
     name = str(dtype).removeprefix("torch.").lower()
-    if name not in DTYPE_NAMES:
-        raise MoECompileError(f"unknown dtype {dtype!r}; expected one of {', '.join(sorted(DTYPE_NAMES))}")
-    return DTYPE_NAMES[name]
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moecompile.conversion.native", description=__doc__.split("\n")[0])
-    p.add_argument("source", help="dense HF checkpoint folder (safetensors)")
-    p.add_argument("out", help="output folder (must not exist or be empty)")
-    p.add_argument("--experts", type=int, required=True)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--layers", default=None, help="Qwen3 only: which FFNs become MoE (all, even, odd, 0,2,5-7)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--noise", type=float, default=0.0, help="relative noise added to each expert copy")
-    p.add_argument("--dtype", default=None, help="convert floating tensors (float32, bfloat16, float16)")
-    p.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE)
-    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args(argv)
-    try:
-        r = upcycle_native(a.source, a.out, a.experts, a.top_k, a.layers, a.seed, a.dtype, a.max_shard_size,
-                           noise=a.noise, progress=not a.no_progress)
-    except MoECompileError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if a.json:
-        print(json.dumps({**r.__dict__, "out": str(r.out)}))
-    else:
-        print(f"{r.target}: {r.source_params / 1e9:.3f}B -> {r.output_params / 1e9:.3f}B parameters, "
-              f"{r.output_bytes / 1e9:.2f} GB in {r.shards} shard(s), {r.seconds:.1f} s -> {r.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if name not in knobs.DTYPES:
+        raise MoECompileError(f"unknown dtype {dtype!r}; expected one of {', '.join(sorted(knobs.DTYPES))}")
+    return getattr(torch, knobs.DTYPES[name])

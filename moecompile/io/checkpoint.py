@@ -34,6 +34,7 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 DEFAULT_SHARD_SIZE = "5GB"
+NATIVE_RECORD = "moecompile"  # config.json entry of a native HF MoE checkpoint: how convert made it
 PARTIAL = ".partial"  # suffix of the temporary folder a save writes into
 
 
@@ -269,6 +270,19 @@ def read_moe_config(directory: Path) -> tuple[dict, dict]:
     return config, moe
 
 
+def _load_native(directory: Path) -> nn.Module:
+    """A native Hugging Face MoE checkpoint (convert --format hf): transformers' own class, in eval mode."""
+    import transformers
+
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, use_safetensors=True,
+                                                                  local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MoECompileError(f"cannot load {directory}: {first}") from None
+    return model.eval()
+
+
 def refuse_sharded(directory: Path, moe: dict) -> None:
     """A checkpoint whose experts are sharded over ranks is read by moecompile.distributed.load only."""
     if "expert_parallel" in moe:
@@ -302,6 +316,8 @@ def apply_layout(model: nn.Module, entries: list[dict]) -> nn.Module:
 def load(directory: str | os.PathLike, model: nn.Module | None = None, progress: bool = True) -> nn.Module:
     """Load a checkpoint written by save(). Pass `model` (a dense skeleton) for non-HF models."""
     directory = Path(directory)
+    if directory.is_dir() and NATIVE_RECORD in read_config(directory) and "moe" not in read_config(directory):
+        return _load_native(directory)
     config, moe = read_moe_config(directory)
     refuse_sharded(directory, moe)
     tensors = read_tensors(weight_files(directory), progress)

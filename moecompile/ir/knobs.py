@@ -13,6 +13,10 @@ TOP_K = 2  # experts per token: conversion and MoEConfig
 CAPACITY_FACTOR = 1.2  # what a conversion gives its blocks; a hand-built MoEConfig defaults to 0.0 (dropless)
 METHODS = ("upcycle", "split")
 METHOD = "upcycle"
+FORMATS = ("auto", "hf", "moecompile")  # convert's output: auto = the family's native HF MoE class where one fits
+# dtype names a user may type -> torch dtype names (the CLI maps them without importing torch)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
 
 
 def _is_int(value) -> bool:
