@@ -10,7 +10,7 @@ a W_out^T. Variants:
 - triton_persistent:  the TMA kernel as a persistent kernel (one program per SM), autotuned;
 then each tile config of the TMA kernels. The gated first projection loads gate and up rows in one interleaved TMA
 box and computes both with one dot.
-The winner per shape and projection goes into kernels/cuda.py's MEASURED (checked in the whole layer by
+The winner per shape and projection goes into kernels/configs/expert_gemm.json (checked in the whole layer by
 bench/moe_layer.py).
 """
 from __future__ import annotations

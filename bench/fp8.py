@@ -55,10 +55,10 @@ def kernel_names(device: torch.device) -> dict[str, str]:
 
 
 def fp8_gemm_choice() -> str:
-    """What kernels/cuda.py runs for FP8 batches (MOECOMPILE_FP8_GEMM / MOECOMPILE_FP8_BLOCK_KERNEL)."""
-    from moecompile.kernels import cuda
+    """What runtime/fp8.py runs for FP8 batches (MOECOMPILE_FP8_GEMM / MOECOMPILE_FP8_BLOCK_KERNEL)."""
+    from moecompile.runtime import choices
 
-    return f"FP8 GEMM {cuda.FP8_GEMM} (block batches on sm_90: {cuda.FP8_BLOCK_KERNEL})"
+    return f"FP8 GEMM {choices.FP8_GEMM} (block batches on sm_90: {choices.FP8_BLOCK_KERNEL})"
 
 
 def graph_ms(fn, device: torch.device, ops: tuple[str, ...]) -> float | None:

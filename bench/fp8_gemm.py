@@ -8,7 +8,7 @@ Same rows, same weights, median ms of the expert FFN (both projections + activat
                  every K step of 128: "promotion"), pointer loads, autotuned, then each tile config;
 - rowwise triton: the persistent Triton kernel (TMA loads, one program per SM) on per-row activation and
                  per-output-channel weight scales applied after the K loop (the weights converted from the 128x128
-                 blocks, the activations requantised per row): the runtime's path (kernels/cuda.py, autotuned),
+                 blocks, the activations requantised per row): the runtime's path (runtime/fp8.py, autotuned),
                  then each autotuner config with the two projections timed apart (first + second);
 - block gluon:   the block math again (kernels/gluon_fp8.py, Hopper): TMA loads, each K step's wgmma into one of
                  two partial accumulators so the scaling of step k - 1 runs while step k's wgmma does; the first
@@ -49,7 +49,8 @@ def rowwise_quant(x):
 
 def run(name, d, f, e, k, tokens, lines):
     from moecompile.ir.fp8 import dequantize_blocks, quantize_blocks
-    from moecompile.kernels import cuda, triton_fp8
+    from moecompile.kernels import triton_fp8
+    from moecompile.runtime import cuda, fp8
     from moecompile.ir import fp8_format as fp8_math
 
     w_in, w_out, rows, offsets, _ = options_table.dispatched_layer(d, f, e, k, tokens)
@@ -82,11 +83,11 @@ def run(name, d, f, e, k, tokens, lines):
             lines.append(f"| {name} | block triton BM{bm} w{w} s{s} | failed: {str(ex).splitlines()[0][:60]} | | | |")
         print(lines[-1], flush=True)
 
-    # rowwise: what kernels/cuda.py runs for batches on Hopper (quantize_fp8 + experts_fp8; the weights' conversion
+    # rowwise: what runtime/fp8.py runs for batches on Hopper (quantize_fp8 + experts_fp8; the weights' conversion
     # happens on the first call and is cached)
     def rowwise():
-        return cuda.experts_fp8(*cuda.quantize_fp8(rows, 128), offsets, wi_q, wi_s, None, wo_q, wo_s, None, "silu",
-                                True, torch.bfloat16)
+        return fp8.experts_fp8(*fp8.quantize_fp8(rows, 128), offsets, wi_q, wi_s, None, wo_q, wo_s, None, "silu",
+                               True, torch.bfloat16)
 
     err = rel(rowwise(), y_bf16)
     t = ms(rowwise)
@@ -95,8 +96,8 @@ def run(name, d, f, e, k, tokens, lines):
                        for key, cfg in triton_fp8._grouped_fp8_rowwise_tuned.cache.items() if key[3] == e)
     lines.append(f"| {name} | autotuner's choice: {chosen} | | | | |")
     print(lines[-2:], flush=True)
-    wi_r, wi_rs = cuda._rowwise_weights(wi_q, wi_s)
-    wo_r, wo_rs = cuda._rowwise_weights(wo_q, wo_s)
+    wi_r, wi_rs = fp8._rowwise_weights(wi_q, wi_s)
+    wo_r, wo_rs = fp8._rowwise_weights(wo_q, wo_s)
     xq, xs = triton_fp8.requantize_rows(*triton_fp8.quantize_rows(rows))
     a = torch.empty(n, f, dtype=torch.float8_e4m3fn, device=rows.device)
     a_s = torch.empty(n, f // 128, dtype=torch.float32, device=rows.device)
@@ -157,7 +158,7 @@ def run(name, d, f, e, k, tokens, lines):
     from moecompile.kernels import cutlass_fp8
 
     try:
-        cutlass_fp8.library()
+        lib = fp8.cutlass_library()
     except cutlass_fp8.CutlassUnavailable as ex:
         lines.append(f"| {name} | block CUTLASS | unavailable: {ex} | | | |")
     else:
@@ -165,9 +166,9 @@ def run(name, d, f, e, k, tokens, lines):
 
         def cutlass_chain():
             xq, xs = triton_fp8.quantize_rows(rows)
-            h = cutlass_fp8.grouped_gemm(xq, xs, offsets, wi_q, wi_t)
+            h = cutlass_fp8.grouped_gemm(xq, xs, offsets, wi_q, wi_t, lib)
             aq, as_ = triton_fp8.activation_quantize(h, offsets, None, "silu", True)
-            return cutlass_fp8.grouped_gemm(aq, as_, offsets, wo_q, wo_t)
+            return cutlass_fp8.grouped_gemm(aq, as_, offsets, wo_q, wo_t, lib)
 
         err = rel(cutlass_chain(), y_bf16)
         t = ms(cutlass_chain)
@@ -176,10 +177,10 @@ def run(name, d, f, e, k, tokens, lines):
         diff = rel(cutlass_chain(), block())
         lines.append(f"| {name} | block CUTLASS vs block triton: relative difference {diff:.1e} | | | | |")
         xq, xs = triton_fp8.quantize_rows(rows)
-        h = cutlass_fp8.grouped_gemm(xq, xs, offsets, wi_q, wi_t)
+        h = cutlass_fp8.grouped_gemm(xq, xs, offsets, wi_q, wi_t, lib)
         aq, as_ = triton_fp8.activation_quantize(h, offsets, None, "silu", True)
-        t1 = ms(lambda: cutlass_fp8.grouped_gemm(xq, xs, offsets, wi_q, wi_t))
-        t2 = ms(lambda: cutlass_fp8.grouped_gemm(aq, as_, offsets, wo_q, wo_t))
+        t1 = ms(lambda: cutlass_fp8.grouped_gemm(xq, xs, offsets, wi_q, wi_t, lib))
+        t2 = ms(lambda: cutlass_fp8.grouped_gemm(aq, as_, offsets, wo_q, wo_t, lib))
         t_act = ms(lambda: triton_fp8.activation_quantize(h, offsets, None, "silu", True))
         lines.append(f"| {name} | block CUTLASS GEMMs alone (first + second) | {t1:.3f} + {t2:.3f} | "
                      f"{tf(t1 + t2):.0f} | {t_bf16 / (t1 + t2):.2f} | |")

@@ -10,7 +10,7 @@ bf16 (bf16 weights and input, float32 accumulation, bf16 output): relative Frobe
 Schemes, per operand: W = expert weights, X = the block's input rows, H = the activation between the projections.
 - block: 128 x 128 tiles of W, scale amax / 448 (the checkpoint's); g: 1 x 128 groups of X or H, amax / 448;
 - chan / row: one scale per output channel of W / per row of X or H, straight from the float values (one rounding);
-- block>chan, g>row: the block / group values rounded again to one scale per channel / row (what kernels/cuda.py's
+- block>chan, g>row: the block / group values rounded again to one scale per channel / row (what runtime/fp8.py's
   rowwise GEMMs compute: their scales come after the K loop, so they need a single scale along K);
 - p2rel: block / group scales set to the largest scale of their row of tiles times a power of two, so that the
   conversion to one scale per row is exact (the largest tile keeps its amax exact, the others lose that);

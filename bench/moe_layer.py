@@ -115,7 +115,7 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (bench(lambda: dst.copy_(src)) * 1e-3)  # bytes read + written per second
 
 
-# our variants: (first projection, second projection) kernels, as kernels/cuda.py's FFN_IN / FFN_OUT name them
+# our variants: (first projection, second projection) kernels, as runtime/choices.py's FFN_IN / FFN_OUT name them
 VARIANTS = {"persistent": ("triton_persistent", "triton_persistent"),
             "persistent + grouped_mm": ("triton_persistent", "grouped_mm"),
             "tma": ("triton_tma", "triton_tma"), "grouped_mm": ("grouped_mm", "grouped_mm"), "auto": ("auto", "auto")}
@@ -132,7 +132,7 @@ def run_shape(name, d, f, e, k, tokens, copy_bw, lines, train, profile=False):
     ours, hf = build(d, f, e, k)
     x = torch.randn(1, tokens, d, device="cuda", dtype=torch.bfloat16)
     r = {"shape": name}
-    from moecompile.kernels import cuda as mc
+    from moecompile.runtime import choices as mc
 
     with torch.no_grad():
         errs = []
@@ -222,7 +222,7 @@ def gpt2_end_to_end(lines):
         t_dense = bench(lambda: model(ids, use_cache=False))
         moecompile.moeize(model, experts=16, top_k=2, capacity_factor=0.0, method="upcycle", progress=False)
         moe_logits = model(ids, use_cache=False).logits
-        from moecompile.kernels import cuda as mc
+        from moecompile.runtime import choices as mc
 
         t_moe = {}
         for variant in VARIANTS:  # eager, so the kernels' launch cost counts too
@@ -266,7 +266,7 @@ def main(argv=None):
         f"measured copy bandwidth {copy_bw / 1e12:.2f} TB/s.",
         f"Command: `python bench/{' '.join(['moe_layer.py'] + sys.argv[1:])}` ({time.time() - start:.0f} s).",
         "Forward of one SwiGLU MoE layer, bf16, dropless, median ms. ours <first> + <second> = moecompile eager "
-        "with these kernels for the two expert projections (kernels/cuda.py): persistent = the persistent Triton "
+        "with these kernels for the two expert projections (runtime/choices.py): persistent = the persistent Triton "
         "TMA grouped GEMM (bias + activation in its epilogue; gate and up rows in one TMA box), tma = the "
         "non-persistent one, grouped_mm = torch._grouped_mm (after the first projection a Triton activation "
         "pass); graph = the fastest of them replayed from a CUDA graph; "

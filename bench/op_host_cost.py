@@ -12,7 +12,7 @@ import time
 
 import torch
 import moecompile  # noqa: F401  registers ops
-from moecompile.kernels import cuda as K
+from moecompile.runtime import cuda as K
 
 T, H, F, E, k = 4096, 2048, 768, 128, 8
 dev = "cuda"

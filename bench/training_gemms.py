@@ -3,7 +3,7 @@
 On the device:  python bench/training_gemms.py --out bench/results/gpu-training-gemms.md
 
 One layer's dispatched rows (random router, dropless) and SwiGLU weights, bf16; median ms and TF/s of each GEMM as
-kernels/cuda.py runs it (h = x W_in^T, y = a W_out^T forward; dL/da = g W_out, dL/dW_out = g^T a,
+runtime/cuda.py runs it (h = x W_in^T, y = a W_out^T forward; dL/da = g W_out, dL/dW_out = g^T a,
 dL/dW_in = gh^T x, dL/dx = gh W_in backward), plus dL/dW_in computed as (x^T gh)^T, a layout moecompile does not
 use (the transpose would cost a copy of the gradient for weights stored [E, F, H]). sum = the six as run: the time
 a training step's expert GEMMs take on torch._grouped_mm with nothing else.

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import moecompile
+from moecompile import settings
 from moecompile.examples.common import add_moe_args, apply_threads
 from moecompile.report import human, parameter_counts
 
@@ -115,7 +115,7 @@ class ViT(nn.Module):
 # ------------------------------------------------------------------------------------------------------- data
 
 def find_cifar(explicit: str | None) -> Path | None:
-    candidates = [explicit] if explicit else [os.environ.get("CIFAR10_DIR"), "data", "~/data", "~/.cache", "."]
+    candidates = [explicit] if explicit else [settings.cifar10_dir(), "data", "~/data", "~/.cache", "."]
     for c in filter(None, candidates):
         for d in (Path(c).expanduser(), Path(c).expanduser() / CIFAR_DIRNAME):
             if (d / "test_batch.bin").is_file() and (d / "data_batch_1.bin").is_file():

@@ -3,9 +3,9 @@
 The same math as the Triton block kernel and the reference (the checkpoint's 128 x 128 weight scales, activations in
 1 x 128 groups, float32 promotion every 128 of K), on CUTLASS's warp-specialised sm90 mainloop. Needs nvcc (built
 and run with CUDA 13.0) and the CUTLASS headers of the nvidia-cutlass package (`pip install 'moecompile[cutlass]'`):
-the library is built on first use (about a minute), cached under $MOECOMPILE_CACHE (default ~/.cache/moecompile) by
-a hash of the source and the compiler, and loaded with ctypes: nothing depends on the PyTorch C++ ABI.
-$MOECOMPILE_CUTLASS_LIB names a prebuilt library instead.
+the library is built on first use, cached in a folder the caller names (the runtime: $MOECOMPILE_CACHE) by a hash
+of the source and the compiler, and loaded with ctypes: nothing depends on the PyTorch C++ ABI. The caller may name a
+prebuilt library instead ($MOECOMPILE_CUTLASS_LIB) and the CUDA toolkit to build with ($CUDA_HOME).
 """
 from __future__ import annotations
 
@@ -42,36 +42,35 @@ def _cutlass_root() -> Path:
     return root
 
 
-def _nvcc() -> str:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    nvcc = str(Path(home) / "bin" / "nvcc") if home else shutil.which("nvcc")
+def _nvcc(cuda_home: str | None) -> str:
+    nvcc = str(Path(cuda_home) / "bin" / "nvcc") if cuda_home else shutil.which("nvcc")
     if not nvcc or not Path(nvcc).is_file():
         raise CutlassUnavailable("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
     return nvcc
 
 
-def build_command(output: Path) -> list[str]:
-    """The nvcc command that builds the library (sm_90a: wgmma and setmaxnreg need the arch-specific target)."""
+def build_command(output: Path, cuda_home: str | None = None) -> list[str]:
+    """The nvcc command that builds the library (sm_90a: wgmma and setmaxnreg need the arch-specific target) with
+    cuda_home's nvcc, else the one on PATH."""
     root = _cutlass_root()
-    return [_nvcc(), "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
+    return [_nvcc(cuda_home), "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
             "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC", "-shared", "-cudart", "static",
             f"-I{root / 'include'}", f"-I{root / 'tools' / 'util' / 'include'}", str(SOURCE), "-o", str(output)]
 
 
-def _cached_path() -> Path:
-    command = build_command(Path("out.so"))
+def _cached_path(cache_dir: Path, cuda_home: str | None) -> Path:
+    command = build_command(Path("out.so"), cuda_home)
     version = subprocess.run([command[0], "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(command).encode() + version.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("MOECOMPILE_CACHE", Path.home() / ".cache" / "moecompile"))
-    return cache / f"fp8_blockwise_grouped-{key}.so"
+    return Path(cache_dir) / f"fp8_blockwise_grouped-{key}.so"
 
 
-def build(output: Path) -> Path:
+def build(output: Path, cuda_home: str | None = None) -> Path:
     """Compile the library to `output` (written under a temporary name, then renamed: never half a file)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
         partial = Path(tmp) / output.name
-        done = subprocess.run(build_command(partial), capture_output=True, text=True)
+        done = subprocess.run(build_command(partial, cuda_home), capture_output=True, text=True)
         if done.returncode != 0:
             tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise CutlassUnavailable(f"building {SOURCE.name} failed: {tail}")
@@ -80,16 +79,17 @@ def build(output: Path) -> Path:
 
 
 @functools.cache
-def library() -> ctypes.CDLL:
-    """The loaded library, built into the cache on first use."""
-    prebuilt = os.environ.get("MOECOMPILE_CUTLASS_LIB")
-    path = Path(prebuilt) if prebuilt else _cached_path()
+def library(prebuilt: str | None = None, cache_dir: Path | None = None, cuda_home: str | None = None) -> ctypes.CDLL:
+    """The loaded library: `prebuilt` if named, else the one built into cache_dir (on first use)."""
+    if not prebuilt and cache_dir is None:
+        raise ValueError("name a prebuilt library or the cache folder to build it in")
+    path = Path(prebuilt) if prebuilt else _cached_path(cache_dir, cuda_home)
     if not path.is_file():
         if prebuilt:
             raise CutlassUnavailable(f"MOECOMPILE_CUTLASS_LIB={prebuilt} does not exist")
         logging.getLogger("moecompile").warning("building the CUTLASS FP8 kernel with nvcc (once, about a minute): %s",
                                                 path)
-        build(path)
+        build(path, cuda_home)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as error:
@@ -100,14 +100,6 @@ def library() -> ctypes.CDLL:
     lib.moecompile_fp8_blockwise_grouped.argtypes = ([ctypes.c_int] * 5 + [ctypes.c_void_p] * 7
                                                      + [ctypes.c_size_t, ctypes.c_void_p, size_out])
     return lib
-
-
-def available() -> bool:
-    try:
-        library()
-    except CutlassUnavailable:
-        return False
-    return True
 
 
 def supported(*sizes: int) -> bool:
@@ -126,18 +118,17 @@ def _sm_count(device_index: int) -> int:
 
 
 def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor,
-                 w_scale_t: torch.Tensor) -> torch.Tensor:
+                 w_scale_t: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
     """out[r] = (a[r] a_scale) (w[e] w_scale)^T in bf16 for the rows r of each expert e's group.
 
     a: [rows, K] e4m3; a_scale: [rows, K/128] float32 (1 x 128 scale_inv); offsets: [E] int32 cumulative group
-    ends; w: [E, N, K] e4m3; w_scale_t: [E, K/128, N/128] float32 (weight_scales). Rows at or past offsets[-1] are
-    left unspecified."""
+    ends; w: [E, N, K] e4m3; w_scale_t: [E, K/128, N/128] float32 (weight_scales); lib: library(). Rows at or past
+    offsets[-1] are left unspecified."""
     rows, k = a.shape
     experts, n, _ = w.shape
     out = torch.empty(rows, n, dtype=torch.bfloat16, device=a.device)
     if rows == 0:
         return out
-    lib = library()
     offsets = offsets.to(torch.int32).contiguous()
     tensors = (a.contiguous(), a_scale.float().contiguous(), w.contiguous(), w_scale_t.contiguous())
     shape = (experts, n, k, rows, _sm_count(a.device.index or 0))

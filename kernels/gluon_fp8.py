@@ -6,16 +6,15 @@ the tensor cores idle while the scaling runs (kernels/triton_fp8.py's block kern
 between two partial accumulators: step k's wgmma is issued, then the kernel waits for step k - 1 only
 (wait_group 1) and scales it while step k runs. ptxas keeps that overlap only in straight-line code (a wgmma in
 flight across a loop's back edge, or a branch in between, and it serialises every wgmma), so the K loop runs
-UNROLL steps straight and drains after them: with pairs, half the promotions overlap (measured 4-7% faster than
-none, bench/results/gpu-fp8-gemm.md; four steps straight need more than 255 registers). TMA loads run STAGES - 1
-steps ahead on mbarriers.
+UNROLL steps straight and drains after them: with pairs, half the promotions overlap (four steps straight need more
+than 255 registers). TMA loads run STAGES - 1 steps ahead on mbarriers.
 
 Gated first projections take the weights with gate and up rows interleaved in runs of 64 (interleave_gate_up):
 one 128-row weight tile is 64 gate and the same 64 up channels, so one m64n128 wgmma per warpgroup covers both
 and its columns carry two weight-block scales. A tile of 128 outputs (gate and up 256 wide) would need 3 x 128
 accumulator registers per thread: more than a thread has. The epilogue writes act(gate) * up in bf16 and
-quantize_rows makes its 1x128 groups (a tile holds 64 channels). Hopper (sm_90) only; kernels/cuda.py imports it
-for block-scaled batches there.
+quantize_rows makes its 1x128 groups (a tile holds 64 channels). Hopper (sm_90) only; the runtime (runtime/fp8.py)
+imports it for block-scaled batches there.
 """
 import torch
 import triton
@@ -28,7 +27,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from moecompile.kernels.triton_moe import _activation
 
 # Gluon is experimental and renames its builtins between Triton versions: the TMA load is async_copy_global_to_shared
-# in Triton 3.6 (the device's) and async_load in 3.9 (this machine's; compiled for sm_90a there, not run)
+# in Triton 3.6 and async_load in 3.9
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 BLOCK_K = gl.constexpr(128)  # one weight block along K: one promotion per K step
 HALF = gl.constexpr(64)  # gate / up channels per weight tile of a gated projection
@@ -260,8 +259,8 @@ def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, 
 
 
 def _tiles(n_rows: int, num_experts: int) -> dict:
-    """The tile config of both projections, the fastest measured on an H200 (bench/results/gpu-fp8-gemm.md): 128-row
-    tiles once experts average 512 rows (Mixtral), else 64-row tiles with 4 warps, two programs per SM (DeepSeek-V3)."""
+    """The tile config of both projections: 128-row tiles once experts average 512 rows, else 64-row tiles with 4
+    warps, two programs per SM (the faster of the two on the device at either size)."""
     if n_rows >= 512 * num_experts:
         return dict(block_m=128, group_m=8, stages=4, num_warps=8)
     return dict(block_m=64, group_m=8, stages=4, num_warps=4)

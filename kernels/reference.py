@@ -8,7 +8,8 @@ Layout conventions shared by every kernel:
   expert e's group (torch._grouped_mm's convention), so rows >= offsets[-1] are the dropped ones.
 - experts() here writes zeros to the dropped rows; device kernels may leave them unspecified, so combine() reads
   only the rows of assignments with a nonzero weight.
-- quantize_fp8() / experts_fp8() are the FP8 (e4m3, inference-only) forms; kernels/fp8.py fixes their scales.
+- quantize_fp8() / experts_fp8() are the FP8 (e4m3, inference-only) forms; moecompile/ir/fp8_format.py fixes their
+  scales.
 - No kernel synchronises with the host except experts(), which walks the groups on the host: route and dispatch
   count with scatter_add rather than bincount (whose output size depends on the data).
 """

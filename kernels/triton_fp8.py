@@ -4,25 +4,34 @@
   scale_inv each, activations per token per 128 channels (x ≈ x_fp8 * scale_inv). Each K step of 128 multiplies its
   partial product by the two scales (DeepGEMM's "promotion"), so accumulation stays float32. Pointer loads.
 - rowwise: activations with one scale per row, weights one per output channel (converted from the blocks,
-  kernels/fp8.py's rowwise_from_blocks), so the K loop only accumulates and the scales come after it: no wgmma wait
-  per K step. Persistent kernel with TMA loads (Hopper).
+  moecompile/ir/fp8_format.py's rowwise_from_blocks), so the K loop only accumulates and the scales come after it:
+  no wgmma wait per K step. Persistent kernel with TMA loads (Hopper).
 
 first projection: act(x W_in^T + b) quantised again per token per 128 channels in the epilogue -> fp8 + scales
 (rowwise: then requantised per row); second projection: a W_out^T + b in the output dtype. Runs under
 TRITON_INTERPRET=1 too (operands cast to float32 there: the interpreter has no fp8 dot).
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from moecompile.kernels.triton_moe import (ACTIVATION_IDS, _activation, _bias_activation, _expert_tile, _num_sms, _row_expert,
-                         _tile_at, _tile_table, _tma_scratch, _tma_weight_desc)
+from moecompile import settings
+from moecompile.kernels.triton_moe import (
+    ACTIVATION_IDS,
+    _activation,
+    _bias_activation,
+    _expert_tile,
+    _num_sms,
+    _row_expert,
+    _tile_at,
+    _tile_table,
+    _tma_scratch,
+    _tma_weight_desc,
+)
 
 FP8_MAX = 448.0
 GROUP = 128
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = settings.triton_interpret()  # the interpreter has no fp8 dot and mis-rounds some casts
 
 
 @triton.jit
@@ -272,14 +281,14 @@ def _grouped_fp8_rowwise_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr
 
 
 def _fp8_rowwise_configs():
-    # the fastest per projection on an H200 without promotion (Mixtral / DeepSeek-V3 shapes): BLOCK_M 128, 8 warps;
-    # 4 warps for the second projection (DeepSeek-V3 1.67 vs 1.72 ms, Mixtral 0.98 vs 1.04; gpu-fp8-gemm.md)
+    # the candidates: the winners per projection on the device (BLOCK_M 128, 8 warps; 4 warps for the second) and
+    # their neighbours
     return [triton.Config({"BLOCK_M": bm, "GROUP_M": gm}, num_warps=w, num_stages=s)
             for bm, gm, w, s in ((128, 8, 8, 4), (128, 8, 8, 3), (128, 16, 8, 4), (128, 8, 4, 4), (64, 8, 4, 3))]
 
 
 def _prune_rowwise_configs(configs, named_args, **kwargs):
-    """Gated first projections accumulate a 128 x 256 tile: with 4 warps it spills (6-7x slower), not worth timing."""
+    """Gated first projections accumulate a 128 x 256 tile: with 4 warps it spills registers, not worth timing."""
     if not kwargs.get("GATED", named_args.get("GATED")):
         return configs
     return [c for c in configs if not (c.kwargs["BLOCK_M"] == 128 and c.num_warps == 4)]

@@ -343,8 +343,8 @@ def _ffn_in_tma_configs():
 def _tma_weight_desc(w_ptr, num_experts, hidden: tl.constexpr, width: tl.constexpr, GATED: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """TMA descriptor of the weights [E, (2 x) width, hidden]. Gated: one copy brings the gate and up rows of the
-    same BLOCK_N outputs, interleaved (a [E, width, 2, hidden] view), so one m64n256 wgmma computes both (3-10%
-    faster than a dot each, bench/results/gpu-expert-gemms.md)."""
+    same BLOCK_N outputs, interleaved (a [E, width, 2, hidden] view), so one m64n256 wgmma computes both (faster
+    than a dot each)."""
     if GATED:
         desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts, width, 2, hidden],
                                          strides=[2 * width * hidden, hidden, width * hidden, 1],
@@ -434,7 +434,7 @@ def _grouped_ffn_in_persistent_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_p
 
 
 def _ffn_in_persistent_configs():
-    # GROUP_M 16: 2-3% faster at the Qwen3-MoE shape, 16384 tokens (bench/results/gpu-persistent-tiles.md)
+    # GROUP_M 16 too: it wins at large many-expert batches (Qwen3-MoE)
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm}, num_warps=w, num_stages=s)
             for bm, bn, bk, gm, w, s in ((128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3),
                                          (64, 128, 64, 8, 4, 4), (128, 128, 64, 16, 8, 3), (128, 256, 64, 16, 8, 3))]

@@ -21,7 +21,6 @@ autograd), and the graph pass (passes/insert_all_to_all.py) traces it into c10d 
 """
 from __future__ import annotations
 
-import os
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import fx, nn
 
+from moecompile import settings
 from moecompile.io import checkpoint
 from moecompile.ir import layout
 from moecompile.ir import ops
@@ -55,13 +55,13 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, init_me
     if dist.is_initialized():
         return dist.group.WORLD
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl" and "LOCAL_RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if backend == "nccl" and settings.local_rank() is not None:
+        torch.cuda.set_device(settings.local_rank())
     kwargs = {k: v for k, v in (("rank", rank), ("world_size", world_size)) if v is not None}
     try:
         dist.init_process_group(backend, init_method=init_method, timeout=timedelta(seconds=timeout), **kwargs)
     except (RuntimeError, ValueError, TimeoutError) as e:  # DistStoreError, DistNetworkError: RuntimeErrors
-        size = world_size or os.environ.get("WORLD_SIZE", "?")
+        size = world_size or settings.world_size("?")
         raise MoECompileError(f"could not form the process group of {size} ranks within {timeout:g} s "
                               f"(a peer is unreachable or was never started): {_first_line(e)}") from e
     return dist.group.WORLD

@@ -8,7 +8,6 @@ first pass and after each one.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +15,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
+from moecompile import settings
 from moecompile.passes.find_ffn import find_ffn
 from moecompile.passes.fuse_route_dispatch import fuse_route_dispatch
 from moecompile.passes.insert_all_to_all import insert_all_to_all
@@ -108,7 +108,7 @@ def run_pipeline(gm: fx.GraphModule, options: dict | None = None, passes=None, p
                  example_inputs: list | None = None, training: bool = False) -> tuple[fx.GraphModule, PassContext]:
     ctx = PassContext(options=dict(options or {}), pipeline=pipeline, example_inputs=example_inputs,
                       training=training)
-    verbose = os.environ.get("MOECOMPILE_PRINT_GRAPH", "") not in ("", "0") or bool(ctx.options.get("print_graph"))
+    verbose = settings.print_graph() or bool(ctx.options.get("print_graph"))
     try:
         expected = output_signature(gm)
     except Exception:  # noqa: BLE001 - a graph fake tensors cannot run (real get_attr weights): lint only

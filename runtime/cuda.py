@@ -1,13 +1,128 @@
-"""CUDA kernels: registered for device type "cuda" when triton is available, else the reference kernels run."""
-import warnings
+"""The moecompile ops' CUDA entry points, registered for device type "cuda" (imported by the registry on first use;
+without triton the import fails and the reference kernels run). Each decides what runs: the reference kernel for
+what the device kernels cannot take, else Triton routing and counting-sort dispatch, the expert GEMMs on the Triton
+grouped GEMMs or torch._grouped_mm as runtime/choices.py picks for the shape, the Triton weighted combine. The FP8
+ops are runtime/fp8.py's. No host synchronisation: CUDA-graph capturable.
 
-from moecompile.runtime.registry import register_kernel
+Rows of `experts`' output at or past offsets[-1] (dropped assignments) are left unspecified here; combine never
+reads them.
+"""
+import torch
 
-try:
-    from moecompile.kernels import cuda as _cuda
-except ImportError as e:  # no triton: the reference kernels (plain PyTorch) also run on CUDA
-    warnings.warn(f"moecompile: CUDA kernels unavailable ({e}); using the reference kernels", stacklevel=2)
-else:
-    for _op in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_train",
-                "experts_backward", "combine", "combine_backward", "dispatch_backward", "quantize_fp8", "experts_fp8"):
-        register_kernel(_op, "cuda", getattr(_cuda, _op))
+from moecompile.kernels import grouped_mm, reference, triton_moe, triton_routing
+from moecompile.runtime import choices, fp8
+from moecompile.runtime.registry import KEPT_H, register_kernel
+
+
+def _routable(router_logits: torch.Tensor) -> bool:
+    return router_logits.is_cuda and router_logits.shape[-1] <= triton_routing.MAX_EXPERTS
+
+
+def route(router_logits, top_k: int, capacity_factor: float, renormalize: bool):
+    if not _routable(router_logits):
+        return reference.route(router_logits, top_k, capacity_factor, renormalize)
+    weights, ids = triton_routing.topk(router_logits, top_k, renormalize)
+    return reference.drop_over_capacity(weights, ids, capacity_factor, router_logits.shape[-1])
+
+
+def route_grouped(router_logits, top_k: int, capacity_factor: float, renormalize: bool, scoring: str,
+                  correction_bias, n_group: int, topk_group: int, scaling_factor: float):
+    if n_group > 1 or not _routable(router_logits):  # group-limited selection: the reference kernel
+        return reference.route_grouped(router_logits, top_k, capacity_factor, renormalize, scoring, correction_bias,
+                                       n_group, topk_group, scaling_factor)
+    weights, ids = triton_routing.topk(router_logits, top_k, renormalize, scoring, correction_bias, scaling_factor)
+    return reference.drop_over_capacity(weights, ids, capacity_factor, router_logits.shape[-1])
+
+
+def dispatch(hidden, expert_ids, num_experts: int):
+    if not hidden.is_cuda:
+        return reference.dispatch(hidden, expert_ids, num_experts)
+    return triton_routing.dispatch(hidden, expert_ids, num_experts)
+
+
+def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_factor: float, renormalize: bool,
+                   scoring: str, correction_bias, n_group: int, topk_group: int, scaling_factor: float,
+                   logits_fp32: bool):
+    logits = reference.router_logits(hidden, router_weight, router_bias, logits_fp32)
+    weights, ids = route_grouped(logits, top_k, capacity_factor, renormalize, scoring, correction_bias, n_group,
+                                 topk_group, scaling_factor)
+    return (weights, ids, *dispatch(hidden, ids, router_weight.shape[0]))
+
+
+def _projection_kernels(x, w_in, w_out) -> tuple[str, str]:
+    first, second = choices.expert_gemm_kernels(x.shape[0], x.shape[1], w_out.shape[2], w_out.shape[0])
+    if not triton_moe.tma_supported(x, w_in):  # unaligned rows: the pointer-load kernel
+        first, second = ("triton" if v.startswith("triton") else v for v in (first, second))
+    return first, second
+
+
+def _second_projection(a, offsets, w_out, b_out, kernel: str):
+    if kernel.startswith("triton"):
+        return triton_moe.grouped_ffn_in(a, offsets, w_out, b_out, None, False, variant=kernel)
+    y = grouped_mm.grouped(a, w_out.transpose(-2, -1), offsets)
+    if b_out is not None:
+        grouped_mm.add_expert_bias(y, offsets, b_out)
+    return y
+
+
+def _grouped_mm_first_projection(x, offsets, w_in, b_in, activation: str, gated: bool):
+    """(a, h): h = x W_in^T on torch._grouped_mm, then a = act(h + b_in) in one Triton pass."""
+    h = grouped_mm.grouped(x, w_in.transpose(-2, -1), offsets)
+    return triton_moe.expert_activation(h, offsets, b_in, activation, gated), h
+
+
+def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
+    if not grouped_mm.supported(x, w_in, w_out):
+        return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
+    first, second = _projection_kernels(x, w_in, w_out)
+    if first.startswith("triton"):
+        a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, variant=first)
+    else:
+        a, _ = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
+    return _second_projection(a, offsets, w_out, b_out, second)
+
+
+def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
+    """(experts(...), h): the first projection on torch._grouped_mm, its output h kept for experts_backward; the
+    activation in one Triton pass; the second projection as experts() runs it."""
+    if not grouped_mm.supported(x, w_in, w_out):
+        return reference.experts_train(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
+    a, h = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
+    return _second_projection(a, offsets, w_out, b_out, _projection_kernels(x, w_in, w_out)[1]), h
+
+
+def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gated: bool, has_b_out: bool, h=None):
+    if not grouped_mm.supported(x, w_in, w_out):
+        return reference.experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, h=h)
+    num_experts, n_rows = w_in.shape[0], x.shape[0]
+    if h is None:  # experts() kept nothing: recompute the first projection
+        h = grouped_mm.grouped(x, w_in.transpose(-2, -1), offsets)
+    grad_a = grouped_mm.grouped(grad_y, w_out, offsets)
+    a, grad_h = triton_moe.expert_activation_backward(h, offsets, b_in, grad_a, activation, gated)
+    grad_w_out = grouped_mm.grouped(grad_y.t(), a, offsets)
+    grad_w_in = grouped_mm.grouped(grad_h.t(), x, offsets)
+    dropped = (torch.arange(n_rows, device=x.device) >= offsets[-1]).unsqueeze(1)
+    grad_x = grouped_mm.grouped(grad_h, w_in, offsets).masked_fill_(dropped, 0)
+    grad_b_in = grouped_mm.segment_sum(grad_h, offsets, num_experts) if b_in is not None else None
+    grad_b_out = grouped_mm.segment_sum(grad_y, offsets, num_experts) if has_b_out else None
+    return grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out
+
+
+def combine(expert_out, order, weights):
+    return triton_moe.combine(expert_out, order, weights)
+
+
+def combine_backward(grad_out, expert_out, order, weights):
+    return triton_moe.combine_backward(grad_out, expert_out, order, weights)
+
+
+def dispatch_backward(grad_sorted, order, tokens: int, top_k: int):
+    return triton_moe.gather_sum(grad_sorted, order, tokens, top_k)
+
+
+for _op in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_train", "combine",
+            "combine_backward", "dispatch_backward"):
+    register_kernel(_op, "cuda", globals()[_op])
+register_kernel("experts_backward", "cuda", experts_backward, supports={KEPT_H})
+register_kernel("quantize_fp8", "cuda", fp8.quantize_fp8)
+register_kernel("experts_fp8", "cuda", fp8.experts_fp8)

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 
+from moecompile import settings
 from moecompile.kernels import cutlass_fp8
 
 
@@ -15,10 +16,9 @@ def test_cutlass_library_builds_and_answers_its_workspace_query(tmp_path, monkey
     """~1 minute on 2 cores: nvcc compiles CUTLASS's grouped blockwise GEMM (host and sm_90a device code)."""
     library = cutlass_fp8.build(tmp_path / "lib.so")
     assert [p.name for p in tmp_path.iterdir()] == ["lib.so"]  # the temporary build folder is gone
-    monkeypatch.setenv("MOECOMPILE_CUTLASS_LIB", str(library))
     cutlass_fp8.library.cache_clear()
     try:
-        lib = cutlass_fp8.library()
+        lib = cutlass_fp8.library(str(library))
         needed = ctypes.c_size_t(0)
         nulls = [None] * 7
         # workspace None: only the size is computed (per-expert argument arrays, regrouped scales, CUTLASS's own)
@@ -38,12 +38,12 @@ def test_missing_headers_or_compiler_is_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setattr(cutlass_fp8.shutil, "which", lambda name: None)
     with pytest.raises(cutlass_fp8.CutlassUnavailable, match="nvcc not found"):
-        cutlass_fp8.build_command(tmp_path / "lib.so")
+        cutlass_fp8.build_command(tmp_path / "lib.so", settings.cuda_home())
     monkeypatch.setenv("MOECOMPILE_CUTLASS_LIB", str(tmp_path / "missing.so"))
     cutlass_fp8.library.cache_clear()
     try:
         with pytest.raises(cutlass_fp8.CutlassUnavailable, match="does not exist"):
-            cutlass_fp8.library()
+            cutlass_fp8.library(settings.cutlass_lib(), settings.cache_dir(), settings.cuda_home())
     finally:
         cutlass_fp8.library.cache_clear()
 

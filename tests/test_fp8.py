@@ -483,7 +483,7 @@ def minilm_fp8(minilm):
 
 def _rowwise_experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
                          activation, gated, out_dtype):
-    """experts_fp8 as the GPU's rowwise kernels compute it for batches on Hopper (kernels/cuda.py): activations
+    """experts_fp8 as the GPU's rowwise kernels compute it for batches on Hopper (runtime/fp8.py): activations
     requantised from their 1x128 groups to one scale per row, weights to one scale per output channel, float32
     products; the intermediate activation quantised in 1x128 groups and then per row too."""
     def per_row(t):  # (1x128 groups, as the epilogue writes them) -> one scale per row
@@ -503,7 +503,7 @@ def _rowwise_experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in
 
 def _cutlass_experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
                          activation, gated, out_dtype):
-    """experts_fp8 as the GPU's CUTLASS path computes it for batches on Hopper (kernels/cuda.py): the block math,
+    """experts_fp8 as the GPU's CUTLASS path computes it for batches on Hopper (runtime/fp8.py): the block math,
     each GEMM's output rounded to bf16 (the first before its bias and activation, the second before its bias)."""
     def bf16(t):
         return t.bfloat16().float()
@@ -556,7 +556,7 @@ def test_minilm_fp8_accuracy_with_the_rowwise_gpu_math(minilm_fp8, monkeypatch):
     block math above: 1.1e-2 to 2.9e-2). Bounded here so that the gap cannot grow unseen."""
     from moecompile.runtime import registry
 
-    monkeypatch.setitem(registry._KERNELS, ("experts_fp8", "cpu"), _rowwise_experts_fp8)
+    monkeypatch.setitem(registry._KERNELS, ("experts_fp8", "cpu"), registry.Kernel(_rowwise_experts_fp8))
     dense, moe, quantized, batch = minilm_fp8
     cos = torch.nn.functional.cosine_similarity(_embed(quantized, batch), _embed(dense, batch), dim=-1)
     assert cos.mean() >= 0.99 and cos.min() >= 0.99, cos
@@ -570,7 +570,7 @@ def test_minilm_fp8_accuracy_with_the_cutlass_gpu_math(minilm_fp8, monkeypatch):
     per-layer bar of 3e-2."""
     from moecompile.runtime import registry
 
-    monkeypatch.setitem(registry._KERNELS, ("experts_fp8", "cpu"), _cutlass_experts_fp8)
+    monkeypatch.setitem(registry._KERNELS, ("experts_fp8", "cpu"), registry.Kernel(_cutlass_experts_fp8))
     dense, moe, quantized, batch = minilm_fp8
     cos = torch.nn.functional.cosine_similarity(_embed(quantized, batch), _embed(dense, batch), dim=-1)
     assert cos.mean() >= 0.99 and cos.min() >= 0.99, cos

@@ -8,8 +8,10 @@ import torch
 
 from moecompile import MoEBlock, MoEConfig
 from moecompile.ir import ops
-from moecompile.kernels import cuda as C
 from moecompile.kernels import reference as R
+from moecompile.runtime import choices
+from moecompile.runtime import cuda as C
+from moecompile.runtime import fp8 as RF
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -44,8 +46,8 @@ def _bf16(*ts):
                                              ("triton_persistent", "triton_persistent")])
 def test_cuda_layer_matches_float32_reference(activation, gated, bias, capacity_factor, ffn_in, ffn_out,
                                               monkeypatch):
-    monkeypatch.setattr(C, "FFN_IN", ffn_in)
-    monkeypatch.setattr(C, "FFN_OUT", ffn_out)
+    monkeypatch.setattr(choices, "FFN_IN", ffn_in)
+    monkeypatch.setattr(choices, "FFN_OUT", ffn_out)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     tokens, e, k, h, i = 1000, 8, 2, 256, 512
     w_in, b_in, w_out, b_out = _weights(e, h, i, gated, bias, gen)
@@ -201,8 +203,8 @@ FP8_PATHS = [("block", "cutlass"), ("block", "gluon"), ("rowwise", "auto")]
 def test_fp8_kernels_match_reference(gated, bias, gemm, block_kernel, tokens, monkeypatch):
     from moecompile.kernels import cutlass_fp8
 
-    monkeypatch.setattr(C, "FP8_GEMM", gemm)
-    monkeypatch.setattr(C, "FP8_BLOCK_KERNEL", block_kernel)
+    monkeypatch.setattr(choices, "FP8_GEMM", gemm)
+    monkeypatch.setattr(choices, "FP8_BLOCK_KERNEL", block_kernel)
     cutlass_calls, cutlass_gemm = [], cutlass_fp8.grouped_gemm
     monkeypatch.setattr(cutlass_fp8, "grouped_gemm", lambda *a: cutlass_calls.append(1) or cutlass_gemm(*a))
     gen = torch.Generator(device=DEVICE).manual_seed(3)
@@ -215,12 +217,12 @@ def test_fp8_kernels_match_reference(gated, bias, gemm, block_kernel, tokens, mo
     x = torch.randn(tokens, h, generator=gen, device=DEVICE).bfloat16()
     weights, ids = ops.route(torch.randn(tokens, e, generator=gen, device=DEVICE), k, 0.0, True)
     rows, order, offsets = ops.dispatch(x, ids, e)
-    xq, xs = C.quantize_fp8(rows, 128)
+    xq, xs = RF.quantize_fp8(rows, 128)
     rq, rs = R.quantize_fp8(rows, 128)
     assert _rel(xq.float() * xs.repeat_interleave(128, 1), rq.float() * rs.repeat_interleave(128, 1)) < 1e-2
     args = (xq, xs, offsets, w_in_q, w_in_s, b_in, w_out_q, w_out_s, b_out, "silu" if gated else "gelu", gated,
             torch.bfloat16)
-    got = C.experts_fp8(*args)
+    got = RF.experts_fp8(*args)
     want = R.experts_fp8(*args)
     kept = int(offsets[-1])
     print("fp8 kernel vs reference", gemm, block_kernel, _rel(got[:kept], want[:kept]))
@@ -255,7 +257,7 @@ def test_gluon_fp8_matches_reference_math(counts, hidden, width, activation, gat
     w_out_q, w_out_s = F.quantize_blocks(w_out)
     offsets = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
     n = int(offsets[-1])
-    xq, xs = C.quantize_fp8(torch.randn(n + 10, hidden, generator=gen, device=DEVICE).bfloat16(), 128)
+    xq, xs = RF.quantize_fp8(torch.randn(n + 10, hidden, generator=gen, device=DEVICE).bfloat16(), 128)
     b_in, b_out = _bf16(b_in, b_out)
     w_in_k = gluon_fp8.interleave_gate_up(w_in_q) if gated else w_in_q
     got = gluon_fp8.experts_fp8(xq, xs, offsets, w_in_k, w_in_s, b_in, w_out_q, w_out_s, b_out,
@@ -287,8 +289,8 @@ def test_cutlass_fp8_grouped_gemm_matches_reference_math(counts, hidden, width):
     w_q, w_s = F.quantize_blocks(w)
     offsets = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
     n = int(offsets[-1])
-    xq, xs = C.quantize_fp8(torch.randn(n + 10, hidden, generator=gen, device=DEVICE).bfloat16(), 128)
-    got = cutlass_fp8.grouped_gemm(xq, xs, offsets, w_q, cutlass_fp8.weight_scales(w_q, w_s))
+    xq, xs = RF.quantize_fp8(torch.randn(n + 10, hidden, generator=gen, device=DEVICE).bfloat16(), 128)
+    got = cutlass_fp8.grouped_gemm(xq, xs, offsets, w_q, cutlass_fp8.weight_scales(w_q, w_s), RF.cutlass_library())
     x = F.dequantize_groups(xq, xs)
     ends = offsets.tolist()
     want = torch.cat([x[end - count:end] @ F.dequantize_blocks(w_q[e], w_s[e]).t()
@@ -303,8 +305,8 @@ def test_fp8_block_dispatches_fp8_rows_on_gpu(gemm, block_kernel, monkeypatch):
     the same block on the reference kernels, no host synchronisation."""
     from moecompile.ir import fp8
 
-    monkeypatch.setattr(C, "FP8_GEMM", gemm)
-    monkeypatch.setattr(C, "FP8_BLOCK_KERNEL", block_kernel)
+    monkeypatch.setattr(choices, "FP8_GEMM", gemm)
+    monkeypatch.setattr(choices, "FP8_BLOCK_KERNEL", block_kernel)
     torch.manual_seed(0)
     block = MoEBlock(MoEConfig(hidden_size=256, expert_size=384, num_experts=8, top_k=2, activation="silu",
                                gated=True)).to(DEVICE, torch.bfloat16).eval()

@@ -474,11 +474,14 @@ def test_kernel_for_falls_back_to_reference(isolated_registry):
 
 
 def test_cuda_kernels_load_on_first_use_and_reference_can_be_forced(monkeypatch):
-    from moecompile.kernels import cuda as C
+    from moecompile.runtime import cuda as C
+    from moecompile.runtime import fp8
 
     for name in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_backward", "combine",
-                 "combine_backward", "dispatch_backward", "quantize_fp8", "experts_fp8"):
+                 "combine_backward", "dispatch_backward"):
         assert kernel_for(name, "cuda") is getattr(C, name)
+    for name in ("quantize_fp8", "experts_fp8"):
+        assert kernel_for(name, "cuda") is getattr(fp8, name)
     for name in ("route_backward", "route_grouped_backward"):  # sync-free reference kernels serve CUDA too
         assert kernel_for(name, "cuda") is getattr(R, name)
     monkeypatch.setenv("MOECOMPILE_KERNELS", "reference")

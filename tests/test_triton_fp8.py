@@ -124,26 +124,28 @@ def test_experts_fp8_rowwise_matches_dequantised_reference(activation, gated, bi
 
 
 def test_rowwise_weights_are_converted_once_per_weight_tensor():
-    from moecompile.kernels import cuda
+    from moecompile.runtime import fp8 as rt_fp8
 
     w, s = _block_quantize(torch.randn(2, 256, 128))
-    first = cuda._rowwise_weights(w, s)
-    assert cuda._rowwise_weights(w, s) is first  # cached
+    first = rt_fp8._rowwise_weights(w, s)
+    assert rt_fp8._rowwise_weights(w, s) is first  # cached
     torch.testing.assert_close(first[1], fp8_math.rowwise_from_blocks(w, s)[1])
     s.mul_(2.0)  # an in-place change of the scales: converted again
-    again = cuda._rowwise_weights(w, s)
+    again = rt_fp8._rowwise_weights(w, s)
     assert again is not first
     torch.testing.assert_close(again[1], first[1] * 2.0)
     key = (id(w), fp8_math.rowwise_from_blocks)
     del w, first, again
-    assert key not in cuda._CONVERTED_WEIGHTS  # dropped with its weight
+    assert key not in rt_fp8._CONVERTED_WEIGHTS  # dropped with its weight
 
 
 def test_block_batches_fall_back_to_triton_when_gluon_does_not_build(monkeypatch, caplog):
-    """kernels/cuda.py's FP8 dispatch as on an H200 (faked here): block-scaled batches go to the Gluon kernel; when
+    """runtime/fp8.py's FP8 dispatch as on an H200 (faked here): block-scaled batches go to the Gluon kernel; when
     this Triton's Gluon rejects it (an experimental dialect: builtins get renamed), one warning, then the Triton block
     kernel, and the Gluon kernel is not tried again."""
-    from moecompile.kernels import cuda, gluon_fp8
+    from moecompile.kernels import gluon_fp8
+    from moecompile.runtime import choices
+    from moecompile.runtime import fp8 as rt_fp8
 
     calls = []
 
@@ -155,10 +157,10 @@ def test_block_batches_fall_back_to_triton_when_gluon_does_not_build(monkeypatch
         calls.append("triton")
         return "triton block"
 
-    monkeypatch.setattr(cuda, "FP8_GEMM", "block")
-    monkeypatch.setattr(cuda, "FP8_BLOCK_KERNEL", "gluon")
-    monkeypatch.setattr(cuda, "_GLUON_UNUSABLE", [])
-    monkeypatch.setattr(cuda, "_fp8_gemm_supported", lambda x: True)
+    monkeypatch.setattr(choices, "FP8_GEMM", "block")
+    monkeypatch.setattr(choices, "FP8_BLOCK_KERNEL", "gluon")
+    monkeypatch.setattr(rt_fp8, "_GLUON_UNUSABLE", [])
+    monkeypatch.setattr(rt_fp8, "_fp8_gemm_supported", lambda x: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(gluon_fp8, "experts_fp8", broken)
     monkeypatch.setattr(triton_fp8, "experts_fp8", triton_block)
@@ -168,9 +170,9 @@ def test_block_batches_fall_back_to_triton_when_gluon_does_not_build(monkeypatch
     xq, xs = fp8_math.quantize_groups(torch.randn(n, h))
     args = (xq, xs, torch.tensor([100, n], dtype=torch.int32), w_in, w_in_s, None, w_out, w_out_s, None, "silu", True,
             torch.bfloat16)
-    assert cuda.experts_fp8(*args) == "triton block" and calls == ["gluon", "triton"]
-    assert len(cuda._GLUON_UNUSABLE) == 1 and "does not build with this Triton" in caplog.text
-    assert cuda.experts_fp8(*args) == "triton block" and calls == ["gluon", "triton", "triton"]
+    assert rt_fp8.experts_fp8(*args) == "triton block" and calls == ["gluon", "triton"]
+    assert len(rt_fp8._GLUON_UNUSABLE) == 1 and "does not build with this Triton" in caplog.text
+    assert rt_fp8.experts_fp8(*args) == "triton block" and calls == ["gluon", "triton", "triton"]
 
 
 @pytest.mark.parametrize("activation,gated,bias", [("silu", True, False), ("gelu", False, True), ("relu", True, True)])
@@ -198,7 +200,9 @@ def test_activation_quantize_matches_reference(activation, gated, bias):
 def test_block_batches_try_cutlass_first_and_fall_back_once(monkeypatch, caplog):
     """MOECOMPILE_FP8_BLOCK_KERNEL=auto as on an H200 (faked here): CUTLASS first; when its library cannot be built
     (no nvcc, no headers), one warning and the Gluon kernel, and CUTLASS is not tried again."""
-    from moecompile.kernels import cuda, cutlass_fp8, gluon_fp8
+    from moecompile.kernels import cutlass_fp8, gluon_fp8
+    from moecompile.runtime import choices
+    from moecompile.runtime import fp8 as rt_fp8
 
     calls = []
 
@@ -206,13 +210,13 @@ def test_block_batches_try_cutlass_first_and_fall_back_once(monkeypatch, caplog)
         calls.append("cutlass")
         raise cutlass_fp8.CutlassUnavailable("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
 
-    monkeypatch.setattr(cuda, "FP8_GEMM", "block")
-    monkeypatch.setattr(cuda, "FP8_BLOCK_KERNEL", "auto")
-    monkeypatch.setattr(cuda, "_CUTLASS_UNUSABLE", [])
-    monkeypatch.setattr(cuda, "_GLUON_UNUSABLE", [])
-    monkeypatch.setattr(cuda, "_fp8_gemm_supported", lambda x: True)
+    monkeypatch.setattr(choices, "FP8_GEMM", "block")
+    monkeypatch.setattr(choices, "FP8_BLOCK_KERNEL", "auto")
+    monkeypatch.setattr(rt_fp8, "_CUTLASS_UNUSABLE", [])
+    monkeypatch.setattr(rt_fp8, "_GLUON_UNUSABLE", [])
+    monkeypatch.setattr(rt_fp8, "_fp8_gemm_supported", lambda x: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(cutlass_fp8, "library", unbuildable)
+    monkeypatch.setattr(rt_fp8, "cutlass_library", unbuildable)
     monkeypatch.setattr(gluon_fp8, "experts_fp8", lambda *a, **k: calls.append("gluon") or "gluon")
     e, h, f, n = 2, 128, 128, 256
     w_in, w_in_s = _block_quantize(torch.randn(e, 2 * f, h))
@@ -220,7 +224,7 @@ def test_block_batches_try_cutlass_first_and_fall_back_once(monkeypatch, caplog)
     xq, xs = fp8_math.quantize_groups(torch.randn(n, h))
     args = (xq, xs, torch.tensor([100, n], dtype=torch.int32), w_in, w_in_s, None, w_out, w_out_s, None, "silu", True,
             torch.bfloat16)
-    monkeypatch.setattr(cuda, "_converted_weights", lambda w, s, convert: w)  # the Gluon weight layout: not needed
-    assert cuda.experts_fp8(*args) == "gluon" and calls == ["cutlass", "gluon"]
-    assert len(cuda._CUTLASS_UNUSABLE) == 1 and "CUTLASS FP8 kernel is not available (nvcc not found" in caplog.text
-    assert cuda.experts_fp8(*args) == "gluon" and calls == ["cutlass", "gluon", "gluon"]
+    monkeypatch.setattr(rt_fp8, "_converted_weights", lambda w, s, convert: w)  # the Gluon weight layout: not needed
+    assert rt_fp8.experts_fp8(*args) == "gluon" and calls == ["cutlass", "gluon"]
+    assert len(rt_fp8._CUTLASS_UNUSABLE) == 1 and "CUTLASS FP8 kernel is not available (nvcc not found" in caplog.text
+    assert rt_fp8.experts_fp8(*args) == "gluon" and calls == ["cutlass", "gluon", "gluon"]

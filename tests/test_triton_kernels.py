@@ -125,15 +125,16 @@ def test_grouped_ffn_in_matches_reference(activation, gated, bias, variant):
 
 
 def test_cuda_kernel_choice_follows_the_measurements(monkeypatch):
-    from moecompile.kernels import cuda as C
+    from moecompile.runtime import choices as C
 
     monkeypatch.setattr(C, "FFN_IN", "auto")
     monkeypatch.setattr(C, "FFN_OUT", "auto")
-    assert C._variants(32768, 7168, 2048, 256) == ("triton_persistent", "triton_persistent")  # DeepSeek-V3, batch
-    assert C._variants(8192, 4096, 14336, 8) == ("triton_persistent", "triton_persistent")  # Mixtral, batch
-    assert C._variants(128, 4096, 14336, 8) == ("triton_tma", "triton_tma")  # Mixtral, decode
-    assert C._variants(65536, 2048, 1408, 60) == ("triton_persistent", "triton_persistent")  # Qwen2-MoE, batch
-    assert C._variants(4096, 1000, 500, 8) == ("triton_persistent", "triton_persistent")  # unmeasured, batch
-    assert C._variants(64, 1000, 500, 8) == ("grouped_mm", "grouped_mm")  # unmeasured, decode
+    kernels = C.expert_gemm_kernels
+    assert kernels(32768, 7168, 2048, 256) == ("triton_persistent", "triton_persistent")  # DeepSeek-V3, batch
+    assert kernels(8192, 4096, 14336, 8) == ("triton_persistent", "triton_persistent")  # Mixtral, batch
+    assert kernels(128, 4096, 14336, 8) == ("triton_tma", "triton_tma")  # Mixtral, decode
+    assert kernels(65536, 2048, 1408, 60) == ("triton_persistent", "triton_persistent")  # Qwen2-MoE, batch
+    assert kernels(4096, 1000, 500, 8) == ("triton_persistent", "triton_persistent")  # unmeasured, batch
+    assert kernels(64, 1000, 500, 8) == ("grouped_mm", "grouped_mm")  # unmeasured, decode
     monkeypatch.setattr(C, "FFN_OUT", "triton")
-    assert C._variants(64, 1000, 500, 8) == ("grouped_mm", "triton")  # an explicit choice wins
+    assert kernels(64, 1000, 500, 8) == ("grouped_mm", "triton")  # an explicit choice wins

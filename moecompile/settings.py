@@ -1,0 +1,78 @@
+"""Every environment variable moecompile reads, read here and nowhere else (a leaf: the standard library only).
+
+Each function reads the environment when called, so a changed environment takes effect (tests use
+monkeypatch.setenv); a caller that wants one value for the whole process reads it once, at import.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def kernels() -> str | None:
+    """MOECOMPILE_KERNELS: "reference" runs the reference kernels on every device (how device kernels are checked
+    against them); anything else, or unset, lets a device's own kernels run."""
+    return os.environ.get("MOECOMPILE_KERNELS")
+
+
+def ffn_in() -> str:
+    """MOECOMPILE_FFN_IN: the CUDA kernel of the experts' first projection: auto (the tuned choice per shape),
+    grouped_mm, triton, triton_tma or triton_persistent."""
+    return os.environ.get("MOECOMPILE_FFN_IN", "auto")
+
+
+def ffn_out() -> str:
+    """MOECOMPILE_FFN_OUT: the same for the second projection."""
+    return os.environ.get("MOECOMPILE_FFN_OUT", "auto")
+
+
+def fp8_gemm() -> str:
+    """MOECOMPILE_FP8_GEMM: the FP8 expert GEMMs' scaling on CUDA: auto, rowwise or block."""
+    return os.environ.get("MOECOMPILE_FP8_GEMM", "auto")
+
+
+def fp8_block_kernel() -> str:
+    """MOECOMPILE_FP8_BLOCK_KERNEL: the kernel of block-scaled FP8 batches on sm_90: auto, cutlass, gluon or
+    triton."""
+    return os.environ.get("MOECOMPILE_FP8_BLOCK_KERNEL", "auto")
+
+
+def cutlass_lib() -> str | None:
+    """MOECOMPILE_CUTLASS_LIB: a prebuilt CUTLASS FP8 library to load instead of building one."""
+    return os.environ.get("MOECOMPILE_CUTLASS_LIB")
+
+
+def cache_dir() -> Path:
+    """MOECOMPILE_CACHE: where built kernels are cached (default ~/.cache/moecompile)."""
+    return Path(os.environ.get("MOECOMPILE_CACHE", Path.home() / ".cache" / "moecompile"))
+
+
+def cuda_home() -> str | None:
+    """CUDA_HOME, else CUDA_PATH: the CUDA toolkit whose nvcc builds the CUTLASS kernel (else nvcc on PATH)."""
+    return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1: Triton runs kernels in its interpreter (on CPU, in the tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def print_graph() -> bool:
+    """MOECOMPILE_PRINT_GRAPH: print the graph after each compile pass (set and not "0")."""
+    return os.environ.get("MOECOMPILE_PRINT_GRAPH", "") not in ("", "0")
+
+
+def local_rank() -> int | None:
+    """LOCAL_RANK (torchrun): this process's GPU on its host; None when unset."""
+    value = os.environ.get("LOCAL_RANK")
+    return None if value is None else int(value)
+
+
+def world_size(default: str | None = None) -> str | None:
+    """WORLD_SIZE (torchrun), as set; `default` when unset."""
+    return os.environ.get("WORLD_SIZE", default)
+
+
+def cifar10_dir() -> str | None:
+    """CIFAR10_DIR: where the vision example looks for CIFAR-10 first."""
+    return os.environ.get("CIFAR10_DIR")

@@ -1,0 +1,61 @@
+"""Which CUDA kernel runs: the environment's overrides (read once, at import) and the tuned per-shape choices of the
+expert GEMMs, data in kernels/configs/expert_gemm.json (loaded on first use). Imports no kernel: answers on any
+machine.
+
+Expert GEMM kernels, per projection: "triton" / "triton_tma" = a Triton grouped GEMM with bias (+ activation, first
+projection) in its epilogue, operands loaded by pointers / by TMA (Hopper); "triton_persistent" = the TMA one as a
+persistent kernel (one program per SM, epilogue overlapped with the next tile); "grouped_mm" = torch._grouped_mm
+(CUTLASS), after the first projection a one-pass Triton activation. "auto" takes the tuned choice.
+
+FP8 expert GEMMs: "rowwise" = per-row activation and per-channel weight scales applied after the K loop (weights
+converted from their 128x128 blocks once), faster for batches for a second rounding of weights and activations;
+"block" = the checkpoint's block scales promoted every K step, the more exact math and the faster one at decode.
+"auto": rowwise for batches where TMA runs (sm_90+), block otherwise. Block batches on sm_90 run CUTLASS's blockwise
+grouped GEMM where it builds, else the Gluon kernel, else the Triton block kernel (FP8_BLOCK_KERNEL picks one).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+
+from moecompile import settings
+
+FFN_IN = settings.ffn_in()  # auto | grouped_mm | triton | triton_tma | triton_persistent
+FFN_OUT = settings.ffn_out()
+FP8_GEMM = settings.fp8_gemm()  # auto | rowwise | block
+FP8_BLOCK_KERNEL = settings.fp8_block_kernel()  # auto | cutlass | gluon | triton
+# Below this many rows per expert a batch is "decode": tiles are mostly empty and other kernels win.
+DECODE_ROWS_PER_EXPERT = 64
+EXPERT_GEMM_CONFIG = "expert_gemm.json"  # in moecompile.kernels' configs/
+
+
+def is_batch(rows: int, num_experts: int) -> bool:
+    return rows >= DECODE_ROWS_PER_EXPERT * num_experts
+
+
+def regime(rows: int, num_experts: int) -> str:
+    return "batch" if is_batch(rows, num_experts) else "decode"
+
+
+@functools.cache
+def expert_gemm_table() -> tuple[dict, dict]:
+    """(default {regime: (first, second)}, tuned {(hidden, expert_size, experts, regime): (first, second)})."""
+    path = resources.files("moecompile.kernels") / "configs" / EXPERT_GEMM_CONFIG
+    data = json.loads(path.read_text())
+    default = {name: tuple(pair) for name, pair in data["default"].items()}
+    tuned = {}
+    for key, regimes in data["shapes"].items():
+        shape = dict(part.split("=") for part in key.split(","))
+        for name, pair in regimes.items():
+            tuned[(int(shape["hidden"]), int(shape["expert_size"]), int(shape["experts"]), name)] = tuple(pair)
+    return default, tuned
+
+
+def expert_gemm_kernels(rows: int, hidden: int, expert_size: int, num_experts: int) -> tuple[str, str]:
+    """(first, second projection) kernel for this shape: FFN_IN / FFN_OUT when set, else the tuned choice, else the
+    default of the regime."""
+    default, tuned = expert_gemm_table()
+    shape_regime = regime(rows, num_experts)
+    first, second = tuned.get((hidden, expert_size, num_experts, shape_regime), default[shape_regime])
+    return (first if FFN_IN == "auto" else FFN_IN), (second if FFN_OUT == "auto" else FFN_OUT)
