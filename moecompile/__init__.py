@@ -11,6 +11,7 @@ the moecompile:: custom ops are registered as soon as torch is imported, and the
 implementation ("moecompile") as soon as transformers' MoE integration is.
 """
 import importlib
+import sys
 from pathlib import Path as _Path
 
 import wrapt
@@ -55,7 +56,11 @@ def __dir__():
 
 @wrapt.when_imported("torch")
 def _register_ops(_torch):
-    importlib.import_module("moecompile.ir.ops")
+    # not from inside the import of one of our modules (torch imported by ops' own dependencies): that import
+    # chain is half done, and whatever needs the ops imports them itself
+    if not any(getattr(getattr(m, "__spec__", None), "_initializing", False)
+               for name, m in list(sys.modules.items()) if name.startswith("moecompile.")):
+        importlib.import_module("moecompile.ir.ops")
 
 
 @wrapt.when_imported("transformers.integrations.moe")

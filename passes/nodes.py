@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import fx
 from torch.fx.operator_schemas import get_signature_for_torch_op
 
+from moecompile.ir import ops  # noqa: F401  (registers the torch.ops.moecompile ops every pass matches and builds)
+
 # kind -> (callables, Tensor method names, aten / namespaced op names)
 _KINDS = {
     "linear": ({F.linear, torch._C._nn.linear}, set(), {"aten::linear"}),

@@ -88,3 +88,27 @@ def test_passes_never_import_kernels_or_runtime(graph):
     wrong = [f"{src} imports {dst}" for src, dst in graph.edges if src.startswith("moecompile.passes.")
              and dst.startswith(("moecompile.kernels.", "moecompile.runtime."))]
     assert not wrong, wrong
+
+
+def test_environment_is_read_in_settings_only(graph):
+    """Every environment variable the product reads is read in moecompile/settings.py."""
+    wrong = []
+    for module, path in graph.nodes(data="path"):
+        if module == "moecompile.settings":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv") and \
+                    isinstance(node.value, ast.Name) and node.value.id == "os":
+                wrong.append(f"{module}:{node.lineno}")
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("first", ["moecompile.ir.activations", "moecompile.runtime.registry"])
+def test_a_leaf_imports_first_in_a_fresh_interpreter(first):
+    """Importing torch registers the ops; that must not re-enter a module of ours that is itself importing."""
+    import subprocess
+    import sys
+
+    code = f"import {first}; import moecompile, torch; moecompile.MoEBlock; assert hasattr(torch.ops.moecompile, 'route')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
