@@ -2,13 +2,18 @@
 # The GPU checks of one device call: install, the GPU tests, then the MoE-layer benchmark (peers in the same run).
 #   bash bench/gpu_check.sh tests          # pytest -m gpu, log to $OUT/gpu-tests.log
 #   bash bench/gpu_check.sh layer          # bench/moe_layer.py --profile, table to $OUT/gpu-moe-layer.md
-# On the device tool's H200 machine: its python3 has torch, triton and transformers; nothing is downloaded.
+# On the device tool's H200 machine: its python3 has torch, triton and transformers; nothing is downloaded
+# (carry .whl/ with the wheels it lacks).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-build/gpu-check}
 mkdir -p "$out"
 what=${1:-tests}
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . > "$out/install.log" 2>&1 \
+if ls .whl/*.whl > /dev/null 2>&1; then  # wheels the machine lacks (nvidia-cutlass: the CUTLASS FP8 headers)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$out/install.log" 2>&1 \
+    && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >> "$out/install.log" 2>&1 \
   || { tail -5 "$out/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
