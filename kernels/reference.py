@@ -221,7 +221,7 @@ def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: 
 
 
 def quantize_fp8(x, group: int):
-    """Per row per `group` channels: (x_fp8, scale_inv) with x ≈ x_fp8 * scale_inv (kernels/fp8.py)."""
+    """Per row per `group` channels: (x_fp8, scale_inv) with x ≈ x_fp8 * scale_inv (moecompile/ir/fp8_format.py)."""
     return fp8.quantize_groups(x, group)
 
 
