@@ -1,4 +1,4 @@
-"""Expert GEMMs on the dispatched rows of one MoE layer, each projection alone: which kernel (issue 9).
+"""Expert GEMMs on the dispatched rows of one MoE layer, each projection alone: which kernel.
 
 On the device:  python bench/expert_gemms.py --out bench/results/gpu-expert-gemms.md
 
@@ -64,7 +64,7 @@ def run(name, d, f, e, k, tokens, lines):
 
 def main(argv=None):
     return options_table.main(
-        __doc__, "expert_gemms.py", "Expert GEMMs, each projection: kernel options (moecompile, issue 9)",
+        __doc__, "expert_gemms.py", "Expert GEMMs, each projection: kernel options (moecompile)",
         "| shape | projection | variant | ms | TF/s | speedup vs grouped_mm | err vs grouped_mm |", SHAPES, run, argv)
 
 

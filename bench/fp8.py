@@ -1,4 +1,4 @@
-"""FP8 vs bf16: one moecompile MoE layer, same run (issue 3).
+"""FP8 vs bf16: one moecompile MoE layer, same run.
 
 On the device:   python bench/fp8.py --out bench/results/gpu-fp8.md
 CPU smoke test:  python bench/fp8.py --tiny            (tiny shapes, reference kernels; checks the script, not speed)
@@ -8,7 +8,7 @@ Both layers are moecompile MoEBlocks (SwiGLU, dropless, random router) sharing r
 weights with 128 x 128 block scales, activations per token per 128 channels). Times are medians of the whole layer
 forward (triton.testing.do_bench on CUDA), eagerly and replayed from a CUDA graph, plus the expert op alone on the
 same dispatched rows. err: relative Frobenius error of the FP8 layer's output against the bf16 layer's.
-Targets (issue 3): FP8 >= 1.6x faster at >= 4096 tokens on the Mixtral and DeepSeek-V3 shapes; decode (64 tokens)
+Targets: FP8 >= 1.6x faster at >= 4096 tokens on the Mixtral and DeepSeek-V3 shapes; decode (64 tokens)
 <= 0.6x of bf16's time. The header names the experts_fp8 kernel that ran: "reference" means no device kernel was
 registered and the numbers say nothing about FP8 speed.
 """

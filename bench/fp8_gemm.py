@@ -1,4 +1,4 @@
-"""FP8 expert-GEMM options on the dispatched rows of one MoE layer (issue 3: "chosen by measurement").
+"""FP8 expert-GEMM options on the dispatched rows of one MoE layer ("chosen by measurement").
 
 On the device:  python bench/fp8_gemm.py --out bench/results/gpu-fp8-gemm.md
 
@@ -234,7 +234,7 @@ def run(name, d, f, e, k, tokens, lines):
 
 
 def main(argv=None):
-    return options_table.main(__doc__, "fp8_gemm.py", "FP8 expert GEMM options (moecompile, issue 3)",
+    return options_table.main(__doc__, "fp8_gemm.py", "FP8 expert GEMM options (moecompile)",
                               "| shape | variant | ms | TF/s | speedup vs bf16 | err vs bf16 |", SHAPES, run, argv)
 
 

@@ -1,4 +1,4 @@
-"""Which FP8 scalings keep the real all-MiniLM-L6-v2's MoE layers within 3e-2 of bf16 (issue 3), on the CPU.
+"""Which FP8 scalings keep the real all-MiniLM-L6-v2's MoE layers within 3e-2 of bf16, on the CPU.
 
     python bench/fp8_scale_schemes.py [--sentences 128] [--out bench/results/fp8-scale-schemes.md]
 
@@ -132,7 +132,7 @@ def main(argv=None):
     with torch.no_grad():
         bf16 = {path: copy.deepcopy(b).bfloat16().float()(inputs[path].bfloat16().float()).bfloat16().float()
                 for path, b in blocks}
-    lines = ["# FP8 scalings on the real all-MiniLM-L6-v2 (issue 3)", "",
+    lines = ["# FP8 scalings on the real all-MiniLM-L6-v2", "",
              f"Command: `python bench/fp8_scale_schemes.py --sentences {a.sentences}`; CPU, float32 emulation; "
              f"torch {torch.__version__}, {platform.machine()}.", "",
              f"Per MoE layer (8 experts, top-2, dropless) on {sum(len(b['input_ids']) for b in batches)} held-out "

@@ -1,4 +1,4 @@
-"""GPU benchmark of one MoE layer: moecompile vs Hugging Face transformers and bare grouped GEMMs (issue 9).
+"""GPU benchmark of one MoE layer: moecompile vs Hugging Face transformers and bare grouped GEMMs.
 
 Run on an H200 (device tool):  python bench/moe_layer.py --out bench/results/gpu-moe-layer.md
 Peers in the same run: HF MixtralSparseMoeBlock with experts_implementation "grouped_mm" (HF 5's default), the

@@ -1,4 +1,4 @@
-"""The six expert GEMMs of a training step, each alone on torch._grouped_mm: the floor of fwd + bwd (issue 9).
+"""The six expert GEMMs of a training step, each alone on torch._grouped_mm: the floor of fwd + bwd.
 
 On the device:  python bench/training_gemms.py --out bench/results/gpu-training-gemms.md
 
@@ -47,7 +47,7 @@ def run(name, d, f, e, k, tokens, lines):
 
 
 def main(argv=None):
-    return options_table.main(__doc__, "training_gemms.py", "Expert GEMMs of a training step (moecompile, issue 9)",
+    return options_table.main(__doc__, "training_gemms.py", "Expert GEMMs of a training step (moecompile)",
                               "| shape | GEMM | ms | TF/s |", SHAPES, run, argv)
 
 
