@@ -15,10 +15,10 @@ bench/moe_layer.py).
 """
 from __future__ import annotations
 
-import torch
-
 import options_table
+import torch
 from options_table import ms
+
 from moecompile.kernels import triton_moe
 
 SHAPES = {"gpt2-upcycled": (768, 3072, 16, 2, 16384), "mixtral": (4096, 14336, 8, 2, 4096),

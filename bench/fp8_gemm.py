@@ -23,9 +23,8 @@ err: relative Frobenius error of the output against the bf16 kernel's.
 """
 from __future__ import annotations
 
-import torch
-
 import options_table
+import torch
 from options_table import ms
 
 SHAPES = {"mixtral": (4096, 14336, 8, 2, 4096), "deepseek-v3": (7168, 2048, 256, 8, 4096)}
@@ -51,7 +50,6 @@ def run(name, d, f, e, k, tokens, lines):
     from moecompile.ir.fp8 import dequantize_blocks, quantize_blocks
     from moecompile.kernels import triton_fp8
     from moecompile.runtime import cuda, fp8
-    from moecompile.ir import fp8_format as fp8_math
 
     w_in, w_out, rows, offsets, _ = options_table.dispatched_layer(d, f, e, k, tokens)
     n = rows.shape[0]

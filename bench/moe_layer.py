@@ -205,7 +205,7 @@ def run_shape(name, d, f, e, k, tokens, copy_bw, lines, train, profile=False):
         lines.append(("train", tl))
         print(tl, flush=True)
     use_variant(mc, "auto")  # later runs (the GPT-2 end to end) get the automatic choice
-    del ours, hf
+    ours = hf = None  # frees the device memory before the next shape
     torch.cuda.empty_cache()
 
 

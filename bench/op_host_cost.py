@@ -11,6 +11,7 @@ import pstats
 import time
 
 import torch
+
 import moecompile  # noqa: F401  registers ops
 from moecompile.runtime import cuda as K
 
@@ -53,7 +54,8 @@ for mode in ("plain", "inference_mode"):
                 fn()
                 ts.append(time.perf_counter() - t0)
             ts.sort()
-            print(f"{mode:15s} {name:24s} host median {ts[n // 2] * 1e6:8.1f} us  min {ts[0] * 1e6:8.1f} us", flush=True)
+            print(f"{mode:15s} {name:24s} host median {ts[n // 2] * 1e6:8.1f} us  min {ts[0] * 1e6:8.1f} us",
+                  flush=True)
 
 with torch.inference_mode():
     for name in ("route_dispatch direct", "experts direct", "combine direct", "experts op"):

@@ -1,4 +1,4 @@
-"""Shared driver of the kernel-option benches (expert_gemms.py, fp8_gemm.py): run each shape, write one markdown table."""
+"""Shared driver of the kernel-option benches (expert_gemms.py, fp8_gemm.py): each shape, one markdown table."""
 from __future__ import annotations
 
 import argparse

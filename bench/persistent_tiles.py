@@ -9,10 +9,10 @@ difference is what the partial last row tile of each expert costs).
 import itertools
 import sys
 
-import torch
-
 import options_table
+import torch
 from options_table import ms
+
 from moecompile.kernels import triton_moe
 
 d, f, e, k, tokens = 2048, 768, 128, 8, int(sys.argv[1]) if len(sys.argv) > 1 else 16384
@@ -26,7 +26,8 @@ print("partial tile waste at BM128:", ((counts + 127) // 128 * 128).sum().item()
 first = lambda c, o=offsets: triton_moe.grouped_ffn_in(rows, o, w_in, None, "silu", True, c, "triton_persistent")
 second = lambda c, o=offsets: triton_moe.grouped_ffn_in(a, o, w_out, None, None, False, c, "triton_persistent")
 for name, fn in (("first", first), ("second", second)):
-    print(name, "autotuned", f"{ms(lambda: fn(None)):.3f}", "balanced", f"{ms(lambda: fn(None, balanced)):.3f}", flush=True)
+    print(name, "autotuned", f"{ms(lambda: fn(None)):.3f}", "balanced", f"{ms(lambda: fn(None, balanced)):.3f}",
+          flush=True)
     block_n = (128, 256) if name == "second" else (64, 128)
     configs = [dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64, GROUP_M=gm, num_warps=8, num_stages=s)
                for bn, s, gm in itertools.product(block_n, (3, 4, 5), (4, 8, 16))]

@@ -10,9 +10,8 @@ a training step's expert GEMMs take on torch._grouped_mm with nothing else.
 """
 from __future__ import annotations
 
-import torch
-
 import options_table
+import torch
 from options_table import ms
 
 SHAPES = {"gpt2-upcycled": (768, 3072, 16, 2, 16384), "mixtral": (4096, 14336, 8, 2, 4096)}

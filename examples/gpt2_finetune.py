@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 
 import moecompile
-from moecompile.io import checkpoint
 from moecompile.conversion import models
 from moecompile.errors import MoECompileError
 from moecompile.examples.common import add_moe_args, apply_threads
+from moecompile.io import checkpoint
 from moecompile.plot import curve_figure, require_matplotlib, save_png
 from moecompile.report import human, parameter_counts
 
@@ -119,7 +119,8 @@ def tokenize(text: str, tokenizer, vocab_size: int) -> torch.Tensor:
         return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
     ids = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
     if vocab_size < BYTE_VOCAB:
-        raise MoECompileError(f"byte-level tokens need a vocabulary of at least {BYTE_VOCAB}, the model has {vocab_size}")
+        raise MoECompileError(f"byte-level tokens need a vocabulary of at least {BYTE_VOCAB}, the model has "
+                              f"{vocab_size}")
     return ids
 
 

@@ -121,7 +121,8 @@ def find_cifar(explicit: str | None) -> Path | None:
             if (d / "test_batch.bin").is_file() and (d / "data_batch_1.bin").is_file():
                 return d
     if explicit:
-        raise SystemExit(f"vision_moe: error: no CIFAR-10 binary batches (data_batch_1.bin, test_batch.bin) in {explicit}")
+        raise SystemExit("vision_moe: error: no CIFAR-10 binary batches (data_batch_1.bin, test_batch.bin) in "
+                         f"{explicit}")
     return None
 
 

@@ -20,8 +20,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moecompile.kernels.triton_moe import _activation
@@ -93,7 +98,7 @@ def _steps(k0, n: gl.constexpr, acc, zero, gate_cols, ops, k_steps: gl.constexpr
         if u % 2 == 0:
             q0, sa0, sg0, su0 = _issue(k0 + u, p0, ops, k_steps, STAGES)
             if u > 0:
-                p1, acc = _retire(q1, acc, sa1, sg1, su1, gate_cols, 1, GATED)
+                p1, acc = _retire(q1, acc, sa1, sg1, su1, gate_cols, 1, GATED)  # noqa: F821 (previous step)
         else:
             q1, sa1, sg1, su1 = _issue(k0 + u, p1, ops, k_steps, STAGES)
             p0, acc = _retire(q0, acc, sa0, sg0, su0, gate_cols, 1, GATED)

@@ -11,10 +11,14 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from moecompile.errors import MoECompileError
-from moecompile.ir import knobs  # torch-free: the arguments are checked before any heavy import
 
+if TYPE_CHECKING:
+    import torch
+
+from moecompile.ir import knobs  # torch-free: the arguments are checked before any heavy import
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -162,10 +166,10 @@ def convert(a) -> int:
     import torch
 
     from moecompile import report
-    from moecompile.io import checkpoint
     from moecompile.conversion import models
-    from moecompile.conversion.moeize import moeize
     from moecompile.conversion.frontend import example_inputs
+    from moecompile.conversion.moeize import moeize
+    from moecompile.io import checkpoint
 
     if a.calib is not None and a.method != "split":
         raise MoECompileError("--calib needs --method split")
@@ -270,8 +274,7 @@ def quantize_cmd(a) -> int:
     from pathlib import Path
 
     from moecompile.io import checkpoint
-    from moecompile.ir import fp8
-    from moecompile.ir import layout
+    from moecompile.ir import fp8, layout
 
     source = Path(a.model)
     if not source.is_dir():
@@ -298,7 +301,8 @@ def quantize_cmd(a) -> int:
 
 def _graph_reports(model, show_graphs: bool) -> list[dict]:
     """Compile model with the moecompile backend (no inductor) on a probe input; the reports of each graph."""
-    from moecompile.backend import clear_records, compile as moe_compile, records
+    from moecompile.backend import clear_records, records
+    from moecompile.backend import compile as moe_compile
     from moecompile.conversion.frontend import example_inputs
 
     args, kwargs = example_inputs(model)
@@ -314,9 +318,9 @@ def _graph_reports(model, show_graphs: bool) -> list[dict]:
 
 def inspect_cmd(a) -> int:
     from moecompile import report
-    from moecompile.io import checkpoint
     from moecompile.conversion import models
     from moecompile.conversion.moeize import find_dense_ffns
+    from moecompile.io import checkpoint
 
     progress = not a.no_progress
     if a.graph:
@@ -420,8 +424,8 @@ def _probe_routing(model, a) -> dict:
 def export_onnx_cmd(a) -> int:
     from pathlib import Path
 
-    from moecompile.io import checkpoint
     from moecompile.conversion import models
+    from moecompile.io import checkpoint
     from moecompile.io.onnx_export import OPSET, compare_onnxruntime, export_onnx, token_ids
 
     out = Path(a.out or f"{a.model.rstrip('/').split('/')[-1]}.onnx")

@@ -32,11 +32,10 @@ import torch.distributed._functional_collectives as funcol
 from torch import fx, nn
 
 from moecompile import settings
-from moecompile.io import checkpoint
-from moecompile.ir import layout
-from moecompile.ir import ops
-from moecompile.ir.block import MoEBlock
 from moecompile.errors import MoECompileError
+from moecompile.io import checkpoint
+from moecompile.ir import layout, ops
+from moecompile.ir.block import MoEBlock
 from moecompile.ir.sharding import EXPERT_TENSORS, local_experts  # noqa: F401  (part of this module's API)
 
 DEFAULT_TIMEOUT_S = 300.0

@@ -92,8 +92,8 @@ def routing_stats(model: nn.Module) -> dict[str, RoutingStats]:
 
 def routing_metrics(model: nn.Module, prefix: str = "moe", per_expert: bool = True) -> dict[str, Tensor]:
     """Flat metric names -> 0-d tensors, for loggers: `<prefix>/<block path>/<metric>` for every block (see
-    RoutingStats.metrics; a bare MoEBlock's path is "block") plus model-wide `<prefix>/aux_loss` (sum), `<prefix>/dropped_frac` and
-    `<prefix>/entropy` (mean over blocks)."""
+    RoutingStats.metrics; a bare MoEBlock's path is "block") plus model-wide `<prefix>/aux_loss` (sum),
+    `<prefix>/dropped_frac` and `<prefix>/entropy` (mean over blocks)."""
     stats = routing_stats(model)
     out = {}
     for path, s in stats.items():

@@ -16,7 +16,8 @@ import networkx as nx
 import torch
 from torch import fx
 
-from moecompile.ir.config import ACTIVATIONS, activation_fn as apply_activation
+from moecompile.ir.config import ACTIVATIONS
+from moecompile.ir.config import activation_fn as apply_activation
 from moecompile.passes.nodes import arg
 
 aten = torch.ops.aten

@@ -12,8 +12,18 @@ import operator
 import torch
 from torch import fx
 
-from moecompile.passes.nodes import (arg, call_op, cast_dtype, defaults, kind, moe_op, op_args, outputs, same_tensor,
-                                    strip_casts)
+from moecompile.passes.nodes import (
+    arg,
+    call_op,
+    cast_dtype,
+    defaults,
+    kind,
+    moe_op,
+    op_args,
+    outputs,
+    same_tensor,
+    strip_casts,
+)
 
 ROUTE_GROUPED = torch.ops.moecompile.route_grouped.default
 ROUTE_DISPATCH = torch.ops.moecompile.route_dispatch.default
@@ -56,7 +66,7 @@ def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     """Erase the linear and the casts feeding it once nothing uses them."""
     while nodes:
         node = nodes.pop()
-        if node.users or not (kind(node) in ("linear", "cast")):
+        if node.users or kind(node) not in ("linear", "cast"):
             continue
         inputs = node.all_input_nodes
         graph.erase_node(node)

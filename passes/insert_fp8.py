@@ -33,9 +33,9 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from moecompile.passes.nodes import arg, call_op, moe_op, op_args, set_arg, value
 from moecompile.ir.block import MoEExperts
 from moecompile.ir.fp8 import ACT_GROUP, FP8, MoEExpertsFP8, quantize_blocks, quantize_weight
+from moecompile.passes.nodes import arg, call_op, moe_op, op_args, set_arg, value
 
 EXPERTS = torch.ops.moecompile.experts.default
 QUANTIZE_FP8 = torch.ops.moecompile.quantize_fp8.default

@@ -1,6 +1,6 @@
 """moeize (graph view): replace each matched FFN subgraph by the nodes of an MoEBlock.
 
-The block is built from the FFN's weights exactly as the module view builds it (moecompile.conversion.moeize.build_block),
+The block is built from the FFN's weights exactly as the module view builds it (conversion.moeize.build_block),
 exported on its own, and its graph inlined in place of the FFN: the rewritten graph holds the moecompile ops
 (route, dispatch, experts, combine) as single nodes and the block's parameters as get_attr nodes under
 `moe<i>.*`. The dense weights the FFN used become dead and are removed.
@@ -58,7 +58,8 @@ def moeize(gm: fx.GraphModule, ctx) -> dict:
         out.meta["val"] = down.meta["val"]
         down.replace_all_uses_with(out)
         dense_params |= {p for r in match.linears for p in (r.weight, r.bias) if p}
-        rewritten.append(f"{prefix}: {match.describe()} -> {block.config.num_experts} experts, top-{block.config.top_k}")
+        c = block.config
+        rewritten.append(f"{prefix}: {match.describe()} -> {c.num_experts} experts, top-{c.top_k}")
     gm.graph.eliminate_dead_code()
     _remove_unused_parameters(gm, dense_params)
     return {"rewritten": rewritten}

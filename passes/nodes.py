@@ -43,8 +43,8 @@ def op_name(node: fx.Node) -> str | None:
 
 
 def kind(node: fx.Node) -> str | None:
-    for name, (functions, methods, ops) in _KINDS.items():
-        if node.op == "call_function" and (node.target in functions or op_name(node) in ops):
+    for name, (functions, methods, op_names) in _KINDS.items():
+        if node.op == "call_function" and (node.target in functions or op_name(node) in op_names):
             return name
         if node.op == "call_method" and node.target in methods:
             return name

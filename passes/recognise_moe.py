@@ -15,8 +15,19 @@ import torch
 from torch import fx
 
 from moecompile.ir.config import identify_activation
-from moecompile.passes.nodes import (arg, call, call_op, defaults, kind, moe_op, op_args, outputs, scalar_args,
-                                    strip_casts, value)
+from moecompile.passes.nodes import (
+    arg,
+    call,
+    call_op,
+    defaults,
+    kind,
+    moe_op,
+    op_args,
+    outputs,
+    scalar_args,
+    strip_casts,
+    value,
+)
 
 MOE = torch.ops.moecompile
 GROUPED = defaults(MOE.route_grouped.default)  # routing a plain route does: softmax, no bias, one group, no scaling

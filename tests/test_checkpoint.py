@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moecompile import MoEBlock, MoECompileError, report
-from moecompile.io import checkpoint
 from moecompile.conversion.moeize import moeize
+from moecompile.io import checkpoint
 from moecompile.ir.layout import moe_blocks
 
 VOCAB = 100

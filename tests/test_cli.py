@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 
 from moecompile import MoEBlock
-from moecompile.io import checkpoint
 from moecompile.cli import main
+from moecompile.io import checkpoint
 from moecompile.ir.layout import moe_blocks
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("moecompile")
@@ -87,8 +87,9 @@ def gpt2_moe_dir(tmp_path_factory) -> tuple[Path, str]:
 @pytest.fixture(scope="module")
 def tiny_gpt2_folder(tmp_path_factory) -> Path:
     """A local HF folder (config.json + model.safetensors) of tiny-gpt2 with fixed random weights."""
-    from moecompile.conversion.models import KNOWN_CONFIGS
     import transformers
+
+    from moecompile.conversion.models import KNOWN_CONFIGS
 
     config, arch = KNOWN_CONFIGS["tiny-gpt2"]()
     config.bos_token_id = config.eos_token_id = 0
@@ -314,7 +315,8 @@ def _corrupt_checkpoint(tmp_path: Path, ckpt: Path) -> Path:
 
 CONVERT = ["convert"]
 BAD_INPUT = {
-    "unknown-model": (lambda t, **_: CONVERT + ["no-such-model-xyz", "--experts", "4"], r"unknown model 'no-such-model-xyz'"),
+    "unknown-model": (lambda t, **_: CONVERT + ["no-such-model-xyz", "--experts", "4"],
+                      r"unknown model 'no-such-model-xyz'"),
     "gpt2-without-random-init": (lambda t, **_: CONVERT + ["gpt2", "--experts", "4"],
                                  r"no weights for 'gpt2' .*pass --random-init"),
     "experts-0": (lambda t, **_: CONVERT + ["tiny-gpt2", "--random-init", "--experts", "0"],

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from moecompile import MoECompileError
+from moecompile.conversion.moeize import balanced_kmeans, find_dense_ffns, moeize, parse_layers
 from moecompile.ir.block import MoEBlock, aux_loss
 from moecompile.ir.config import MoEConfig
-from moecompile.conversion.moeize import balanced_kmeans, find_dense_ffns, moeize, parse_layers
 from moecompile.ir.layout import get_layout, moe_blocks
 
 TOL = 1e-5

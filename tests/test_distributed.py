@@ -23,9 +23,9 @@ import torch.multiprocessing as mp
 
 import moecompile
 from moecompile import MoEBlock, MoECompileError, MoEConfig
-from moecompile.io import ep_checkpoint
 from moecompile import distributed as ep
 from moecompile.cli import main as cli_main
+from moecompile.io import ep_checkpoint
 
 TOL = 1e-5
 H, F = 8, 6

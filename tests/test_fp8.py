@@ -7,22 +7,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_tiny_model, tiny_token_ids
+from test_convert import _embed, minilm  # noqa: F401  (minilm: a fixture)
 from torch import fx, nn
 
 import moecompile
 from moecompile import MoEBlock, MoECompileError, MoEConfig, MoEExperts
-from moecompile.ir import fp8
-from moecompile.ir import ops
-from moecompile.ir.fp8 import MoEExpertsFP8
 from moecompile.conversion.frontend import capture, example_inputs
+from moecompile.ir import fp8, ops
 from moecompile.ir import fp8_format as K
-from moecompile.kernels import reference as R
 from moecompile.ir.activations import expert_activation
+from moecompile.ir.fp8 import MoEExpertsFP8
+from moecompile.kernels import reference as R
 from moecompile.passes.insert_fp8 import insert_fp8
 from moecompile.passes.pipeline import PassContext, run_pipeline
-
-from conftest import make_tiny_model, tiny_token_ids
-from test_convert import _embed, minilm  # noqa: F401  (minilm: a fixture)
 
 F8 = torch.float8_e4m3fn
 TINY = torch.finfo(torch.float32).tiny
@@ -474,7 +472,7 @@ def test_random_gated_layer_error_is_e4m3s_floor():
 # the real all-MiniLM-L6-v2 (packaged, loaded by test_convert's fixture): upcycled to 8 experts, top-2, dropless, FP8
 
 @pytest.fixture(scope="module")
-def minilm_fp8(minilm):
+def minilm_fp8(minilm):  # noqa: F811 (the imported fixture, requested by name)
     dense, batch = minilm
     moe = moecompile.moeize(copy.deepcopy(dense), experts=8, top_k=2, capacity_factor=0.0, progress=False)
     quantized = fp8.quantize(copy.deepcopy(moe))

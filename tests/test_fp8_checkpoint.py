@@ -7,17 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_tiny_model, tiny_token_ids
 from safetensors import safe_open
 
 import moecompile
-from moecompile import report, MoECompileError
-from moecompile.ir import fp8
+from moecompile import MoECompileError, report
 from moecompile.cli import main
-from moecompile.ir.fp8 import MoEExpertsFP8
+from moecompile.ir import fp8
 from moecompile.ir import fp8_format as K
+from moecompile.ir.fp8 import MoEExpertsFP8
 from moecompile.ir.layout import moe_blocks
-
-from conftest import make_tiny_model, tiny_token_ids
 
 F8 = torch.float8_e4m3fn
 
@@ -248,7 +247,6 @@ def test_transformers_maps_hf_fp8_folder_onto_its_fp8_experts(hf_fp8_folder, mon
     family, model, src, out = hf_fp8_folder
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import FP8Experts
-
     from transformers.utils.import_utils import is_torch_cuda_available
 
     is_torch_cuda_available.cache_clear()  # cached by transformers: must not outlive the patch

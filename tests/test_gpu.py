@@ -280,8 +280,8 @@ def test_gluon_fp8_matches_reference_math(counts, hidden, width, activation, gat
 def test_cutlass_fp8_grouped_gemm_matches_reference_math(counts, hidden, width):
     """kernels/cutlass_fp8.py: one block-scaled grouped GEMM against the dequantised float32 product, groups of any
     size, 10 rows past offsets[-1] (left unspecified)."""
-    from moecompile.kernels import cutlass_fp8
     from moecompile.ir import fp8_format as F
+    from moecompile.kernels import cutlass_fp8
 
     gen = torch.Generator(device=DEVICE).manual_seed(len(counts) + hidden)
     e = len(counts)
@@ -345,8 +345,9 @@ def test_compiled_hf_moe_runs_its_moe_ops_inside_cuda_graphs():
     """moecompile.compile(model, mode="reduce-overhead") (bench/results/compile-h200-*-cudagraphs.md): inductor
     records the graph with the moecompile ops in it (no cudagraph skip) and its replays give eager's output on
     new inputs."""
+    from hf_moe import tiny_moe, token_ids
+
     import moecompile
-    from hf_moe import token_ids, tiny_moe
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

@@ -5,8 +5,8 @@ import torch
 import moecompile
 from moecompile import MoEBlock, MoEConfig
 from moecompile.kernels import reference as R
-from moecompile.runtime.registry import kernel_for, register_kernel, registered_kernels
 from moecompile.runtime import registry
+from moecompile.runtime.registry import kernel_for, register_kernel, registered_kernels
 
 OPS = torch.ops.moecompile
 OP_NAMES = ("route", "route_backward", "dispatch", "dispatch_backward", "experts", "experts_train", "experts_backward",

@@ -7,11 +7,11 @@ import torch.nn.functional as F
 from hf_moe import FAMILIES, MOE_LAYERS, dynamo_graphs, moe_nodes, tiny_moe, token_ids
 
 from moecompile import MoEBlock, MoEConfig
-from moecompile.ir import ops
 from moecompile.conversion.frontend import capture
+from moecompile.ir import ops
 from moecompile.passes.fuse_route_dispatch import fuse_route_dispatch
 from moecompile.passes.keep_first_projection import keep_first_projection
-from moecompile.passes.pipeline import GraphCheckError, PassContext, PIPELINES, run_pipeline
+from moecompile.passes.pipeline import PIPELINES, GraphCheckError, PassContext, run_pipeline
 from moecompile.passes.recognise_moe import recognise_moe
 from moecompile.passes.set_capacity import set_capacity
 

@@ -1,20 +1,20 @@
 """Routing statistics (moecompile.routing_stats / track_routing / routing_metrics) against per-token loops, their
 behaviour under torch.export and torch.compile, and `moecompile inspect --routing --plot`."""
 import json
-import sys
 import math
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_block import hand_aux, hidden, make_block, naive_selection
+from test_ops import count_moe_nodes, small_block
 
 import moecompile
 from moecompile import MoEBlock, MoECompileError, MoEConfig
-from moecompile.conversion import models
 from moecompile.cli import main as cli
+from moecompile.conversion import models
 from moecompile.stats import as_floats, probe_routing
-from test_block import hand_aux, hidden, make_block, naive_selection
-from test_ops import count_moe_nodes, small_block
 
 
 def hand_stats(block, x, top_k, cf):

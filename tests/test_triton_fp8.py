@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from moecompile.ir import fp8_format as fp8_math
-from moecompile.kernels import triton_fp8
 from moecompile.ir.activations import expert_activation
+from moecompile.kernels import triton_fp8
 
 
 def _block_quantize(w):

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
+from moecompile.ir.activations import expert_activation
 from moecompile.kernels import reference as R
 from moecompile.kernels import triton_moe
-from moecompile.ir.activations import expert_activation
 
 
 def _offsets(counts):

@@ -21,9 +21,9 @@ from moecompile.calibration.shared import fit_linear_shared
 from moecompile.calibration.tokens import collect_ffn_inputs
 from moecompile.conversion.moeize import DenseFFN, find_dense_ffns, parse_layers
 from moecompile.errors import MoECompileError
-from moecompile.ir.knobs import check_split
 from moecompile.ir import layout
 from moecompile.ir.block import MoEBlock
+from moecompile.ir.knobs import check_split
 
 FIT_TOKENS = 40000  # at most about this many calibration tokens for the least-squares fits and error stats
 

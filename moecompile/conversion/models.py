@@ -145,8 +145,7 @@ def _from_dir(directory: Path, name: str, random_init: bool, progress: bool) -> 
         log.warning("building %s from its config with RANDOM weights (--random-init)", name)
         return Source(cls._from_config(config) if cls is transformers.AutoModel else cls(config), name, directory,
                       True)
-    has_safetensors = (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file()
-    if not has_safetensors:
+    if not any((directory / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
         raise MoECompileError(f"no safetensors weights in {directory} (pickle checkpoints are not loaded); "
                               "use --random-init to build it with random weights")
     if not progress:

@@ -18,13 +18,21 @@ import torch
 from torch import fx, nn
 from tqdm.auto import tqdm
 
+from moecompile.conversion.frontend import capture, module_scopes
+from moecompile.errors import MoECompileError
 from moecompile.ir import layout
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import MoEConfig
-from moecompile.ir.knobs import (CAPACITY_FACTOR, EXPERTS, METHOD, TOP_K, check_experts, check_method, check_split,
-                                 check_top_k)
-from moecompile.errors import MoECompileError
-from moecompile.conversion.frontend import capture, module_scopes
+from moecompile.ir.knobs import (
+    CAPACITY_FACTOR,
+    EXPERTS,
+    METHOD,
+    TOP_K,
+    check_experts,
+    check_method,
+    check_split,
+    check_top_k,
+)
 from moecompile.passes.find_ffn import TRANSPARENT, FFNMatch, LinearRef, find_ffns
 
 
@@ -58,7 +66,8 @@ def _weight(model: nn.Module, ref: LinearRef) -> tuple[torch.Tensor, torch.Tenso
     return (w if ref.out_in else w.t()), b
 
 
-def dense_ffn(root: nn.Module, match: FFNMatch, owner: str | None = None, identity: list[str] | None = None) -> DenseFFN:
+def dense_ffn(root: nn.Module, match: FFNMatch, owner: str | None = None,
+              identity: list[str] | None = None) -> DenseFFN:
     """The matched FFN's weights, read from root (the model, or the captured GraphModule: same parameter names)."""
     ins = [_weight(root, r) for r in (match.gate, match.up) if r is not None]
     w_in = torch.cat([w for w, _ in ins])
@@ -71,11 +80,12 @@ def dense_ffn(root: nn.Module, match: FFNMatch, owner: str | None = None, identi
 
 
 def _scope(scopes, path):
-    return {n for n, paths in scopes.items() if path in paths and n.target is not torch.ops.aten._assert_tensor_metadata.default}
+    return {n for n, paths in scopes.items()
+            if path in paths and n.target is not torch.ops.aten._assert_tensor_metadata.default}
 
 
 def _is_passthrough(node: fx.Node) -> bool:
-    return node.target in TRANSPARENT and not torch.Tag.pointwise in getattr(node.target, "tags", ())
+    return node.target in TRANSPARENT and torch.Tag.pointwise not in getattr(node.target, "tags", ())
 
 
 def _ancestors(path: str) -> list[str]:

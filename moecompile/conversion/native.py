@@ -34,7 +34,6 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from moecompile.errors import MoECompileError
-from moecompile.ir import knobs
 from moecompile.io.checkpoint import (
     DEFAULT_SHARD_SIZE,
     WEIGHTS,
@@ -45,6 +44,7 @@ from moecompile.io.checkpoint import (
     read_config,
     write_config,
 )
+from moecompile.ir import knobs
 
 FFN_PROJS = ("gate_proj", "up_proj", "down_proj")
 EXTRA_FILES = ("generation_config.json",)  # copied beside the tokenizer: generation defaults stay the source's

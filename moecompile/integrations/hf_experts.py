@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from moecompile.ir import ops
-from moecompile.ir.config import identify_activation
 from moecompile.errors import MoECompileError
+from moecompile.ir import ops
 from moecompile.ir.activations import expert_activation
+from moecompile.ir.config import identify_activation
 
 NAME = "moecompile"
 _SPEC_ATTR = "_moecompile_experts_spec"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 
-from moecompile.ir.block import aux_loss
 from moecompile.errors import MoECompileError
+from moecompile.ir.block import aux_loss
 from moecompile.ir.layout import moe_blocks
 from moecompile.stats import routing_metrics, track_routing
 

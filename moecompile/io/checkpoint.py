@@ -23,10 +23,10 @@ from safetensors.torch import save_model
 from torch import nn
 from tqdm.auto import tqdm
 
+from moecompile.errors import MoECompileError
 from moecompile.ir import fp8, layout
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import MoEConfig
-from moecompile.errors import MoECompileError
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -293,7 +293,7 @@ def refuse_sharded(directory: Path, moe: dict) -> None:
 
 
 def apply_layout(model: nn.Module, entries: list[dict]) -> nn.Module:
-    """Put freshly initialised MoEBlocks (and Identities) where the layout `entries` say: the skeleton that load() fills.
+    """Put fresh MoEBlocks (and Identities) where the layout `entries` say: the skeleton that load() fills.
     An entry with an "fp8" field gets FP8 experts (moecompile.ir.fp8)."""
     for entry in entries:
         try:

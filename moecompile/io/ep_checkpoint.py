@@ -21,10 +21,10 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from moecompile.errors import MoECompileError
 from moecompile.io import checkpoint
 from moecompile.ir import layout
 from moecompile.ir.sharding import EXPERT_TENSORS, local_experts
-from moecompile.errors import MoECompileError
 
 EP_KEY = "expert_parallel"
 DENSE = "dense.safetensors"

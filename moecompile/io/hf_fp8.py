@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from moecompile.io import checkpoint
 from moecompile.errors import MoECompileError
+from moecompile.io import checkpoint
 from moecompile.ir.fp8 import WEIGHT_BLOCK, quantization_config, quantize_blocks
 
 EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")  # one expert's projection, as HF 5 saves it

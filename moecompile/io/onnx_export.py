@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from torch import fx, nn
 
+from moecompile.errors import MoECompileError
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import MoEConfig
-from moecompile.errors import MoECompileError
 from moecompile.ir.layout import moe_blocks
 
 OPSET = 20  # Gelu(approximate=...) is an ONNX op from opset 20

@@ -1,1 +1,1 @@
-"""The IR every layer shares: the moecompile:: ops, MoEConfig, the MoEBlock module view, activation and FP8 definitions."""
+"""The IR every layer shares: the moecompile:: ops, MoEConfig, the MoEBlock module view, activations, FP8 formats."""

@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moecompile.ir import ops
+from moecompile.ir.activations import expert_activation
 from moecompile.ir.config import MoEConfig
 from moecompile.ir.knobs import check_top_k
-from moecompile.ir.activations import expert_activation
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

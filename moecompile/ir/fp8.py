@@ -16,13 +16,20 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from moecompile.ir import layout
-from moecompile.ir import ops
+from moecompile.errors import MoECompileError
+from moecompile.ir import layout, ops
 from moecompile.ir.block import MoEBlock, MoEExperts
 from moecompile.ir.config import MoEConfig
-from moecompile.errors import MoECompileError
-from moecompile.ir.fp8_format import (ACT_GROUP, FP8, WEIGHT_BLOCK, cdiv, dequantize_blocks, dequantize_groups,
-                          quantize_blocks, quantize_groups)
+from moecompile.ir.fp8_format import (
+    ACT_GROUP,
+    FP8,
+    WEIGHT_BLOCK,
+    cdiv,
+    dequantize_blocks,
+    dequantize_groups,
+    quantize_blocks,
+    quantize_groups,
+)
 
 __all__ = ["MoEExpertsFP8", "quantize", "dequantize", "quantize_weight", "quantization_config", "FORMAT",
            # the quantisation math (moecompile/ir/fp8_format.py), for code that may not import kernels (passes)
