@@ -176,13 +176,13 @@ def convert(a) -> int:
     out = checkpoint.check_output_dir(a.out or _default_out(a.model, a.experts))
     progress = not a.no_progress
     start = time.perf_counter()
+    why_not_native = "--format moecompile"
     if a.format != "moecompile":
-        directory, target, reason = _native_target(a, models)
+        directory, target, why_not_native = _native_target(a, models)
         if target is not None:
             return _convert_native(a, directory, out, start)
         if a.format == "hf":
-            raise MoECompileError(f"--format hf: {reason}")
-        print(f"writing moecompile's format: {reason}")
+            raise MoECompileError(f"--format hf: {why_not_native}")
     torch.manual_seed(a.seed)  # --random-init weights and the routers' initialisation: one seed, reproducible output
     source = models.load_source(a.model, random_init=a.random_init, progress=progress)
     model = source.model.eval()
@@ -223,7 +223,7 @@ def convert(a) -> int:
     if a.fp8:
         print(f"  FP8 experts (float8_e4m3fn, 128x128 block scales): output vs unquantised, relative error "
               f"{fp8_err:.3g}")
-    print(f"  saved to {out} in {time.perf_counter() - start:.1f} s")
+    print(f"  saved to {out} in {time.perf_counter() - start:.1f} s, in moecompile's format: {why_not_native}")
     return 0
 
 

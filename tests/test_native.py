@@ -347,7 +347,7 @@ def test_cli_format_choices(sources, tmp_path, capsys):
     assert cli.main([*args, "--format", "moecompile", "--out", str(kept)]) == 0
     assert "moe" in json.loads((kept / "config.json").read_text())
     assert cli.main([*args, "--layers", "0", "--out", str(tmp_path / "partial")]) == 0  # Mixtral: all layers or none
-    assert "writing moecompile's format: " in capsys.readouterr().out
+    assert "in moecompile's format: " in capsys.readouterr().out
     bad = tmp_path / "gpt2"
     assert cli.main(["convert", "tiny-gpt2", "--random-init", "--experts", "4", "--format", "hf", "--out", str(bad),
                      "--no-progress"]) == 2
