@@ -732,3 +732,15 @@ def test_parallel_switch_dp_and_ep_agree(four_ranks):
         _assert_close(four_ranks, f"switch/{mode}/")
     _assert_close(four_ranks, "switch/kwarg")
     assert "parallel must be one of" in four_ranks[0]["switch/bad_mode"]
+
+
+def test_ep_train_example_under_lightning_model_parallel_strategy(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "-m", "moecompile.examples.ep_train", "--lightning", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
+           "--parallel", "dp"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "ranks: 2 (gloo, lightning" in proc.stdout and "(2 per rank)" in proc.stdout, proc.stdout
+    losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0], proc.stdout
