@@ -1,4 +1,5 @@
-"""Expert-parallel MoE layer: step time against the same layer unsharded, for several overlap degrees (issue 4).
+"""Expert-parallel MoE layer: step time against the same layer unsharded, for several overlap degrees (issue 4), and
+the per-call switch to data-parallel execution (parallel="dp": expert weights all-gathered, no token all-to-all).
 
     torchrun --nproc-per-node 2 bench/ep_layer.py --out bench/results/ep-layer-cpu.md            # CPU, gloo
     torchrun --nproc-per-node 8 bench/ep_layer.py --shape mixtral --out bench/results/gpu-ep-layer.md   # GPUs, NCCL
@@ -7,7 +8,9 @@ Weak scaling: every rank routes its own `tokens`; "local" is the whole layer (al
 with no communication, "EP d" the same layer with its experts sharded over the W ranks, overlap degree d. Times are
 medians over --reps of the slowest rank (ms), forward and forward + backward. "counts" is the counts exchange
 alone (one small all-to-all + the host sync that gives the split sizes). err: EP output against the local layer
-on the same tokens (relative Frobenius); it must be rounding only.
+on the same tokens (relative Frobenius); it must be rounding only. "DP" runs the same sharded block with
+parallel="dp": each rank all-gathers the E experts' weights (the backward reduce-scatters their gradients) and runs
+them on its own tokens; no weight moves between calls.
 """
 from __future__ import annotations
 
@@ -87,6 +90,21 @@ def main(argv=None) -> int:
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         rows.append((f"EP, overlap degree {degree}", timed(lambda: fwd(sharded), args.reps, device),
                      timed(lambda: train(sharded), args.reps, device), f"{err.item():.1e}"))
+    sharded.overlap_degree = 1
+    with torch.no_grad():
+        got = sharded(x, parallel="dp").float()
+    err = torch.tensor([((got - want).norm() / want.norm()).item()], device=device)
+    dist.all_reduce(err, op=dist.ReduceOp.MAX)
+
+    def fwd_dp():
+        with torch.no_grad():
+            sharded(x, parallel="dp")
+
+    def train_dp():
+        sharded(x.detach().requires_grad_(), parallel="dp").backward(grad)
+
+    rows.append(("DP (expert weights all-gathered)", timed(fwd_dp, args.reps, device),
+                 timed(train_dp, args.reps, device), f"{err.item():.1e}"))
     offsets = torch.cumsum(torch.full((e,), tokens * k // e, device=device), 0).to(torch.int32)
     counts_ms = timed(lambda: ep.exchange_counts(offsets, tokens * k, world, e // world, 1,
                                                  sharded.group_name), args.reps, device)

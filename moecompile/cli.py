@@ -1,4 +1,4 @@
-"""Command line: `moecompile convert`, `inspect`, `quantize`, `export-onnx` and `checkpoint gather|scatter`.
+"""Command line: `moecompile convert`, `inspect`, `quantize`, `export-onnx` and `checkpoint gather|scatter|export-dcp`.
 
 Errors in the user's input print one line `moecompile: error: ...` and exit with code 2.
 """
@@ -116,6 +116,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("source", help="a folder written by `checkpoint scatter` or moecompile.distributed.save")
     g.add_argument("out", help="output folder (must not exist or be empty)")
     g.add_argument("--no-progress", action="store_true")
+    x = ks.add_parser("export-dcp", help="write a torch.distributed.checkpoint (DCP) checkpoint as one folder")
+    x.add_argument("source", help="a folder written by moecompile.io.dcp.save, from any number of ranks")
+    x.add_argument("out", help="output folder (must not exist or be empty)")
+    x.add_argument("--no-progress", action="store_true")
     return p
 
 
@@ -461,6 +465,11 @@ def checkpoint_cmd(a) -> int:
     if a.action == "scatter":
         out = ep_checkpoint.scatter(a.source, a.out, a.world_size, progress=not a.no_progress)
         print(f"scattered {a.source} into {a.world_size} expert shards: {out}")
+    elif a.action == "export-dcp":
+        from moecompile.io import dcp
+
+        out = dcp.export(a.source, a.out)
+        print(f"exported DCP checkpoint {a.source} into one checkpoint: {out}")
     else:
         out = ep_checkpoint.gather(a.source, a.out, progress=not a.no_progress)
         print(f"gathered {a.source} into one checkpoint: {out}")

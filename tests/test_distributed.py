@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -52,8 +53,8 @@ def _expect_error(fn) -> str:
     return "no error"
 
 
-def _spawn(worker, world: int, tmp: Path) -> list[dict]:
-    mp.spawn(worker, args=(world, _port(), str(tmp)), nprocs=world)
+def _spawn(worker, world: int, tmp: Path, *args) -> list[dict]:
+    mp.spawn(worker, args=(world, _port(), str(tmp), *args), nprocs=world)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -125,11 +126,12 @@ def _block_checks(rank, world, name, config, tokens, degrees, seed, out):
         for pname in ep.EXPERT_TENSORS:
             p = getattr(block.experts, pname)
             if p is not None:
-                out[f"{key}/grad_{pname}"] = _err(p.grad, getattr(ref.experts, pname).grad[lo:hi])
+                out[f"{key}/grad_{pname}"] = _err(ep.local_tensor(p.grad), getattr(ref.experts, pname).grad[lo:hi])
         out[f"{key}/grad_router"] = _err(block.router.weight.grad, ref.router.weight.grad)
         if block.bias is not None:
             out[f"{key}/grad_bias"] = _err(block.bias.grad, ref.bias.grad)
-        out[f"{key}/local_shape"] = list(block.experts.w_in.shape)
+        out[f"{key}/local_shape"] = list(ep.local_tensor(block.experts.w_in).shape)
+        out[f"{key}/global_shape"] = list(block.experts.w_in.shape)
 
 
 def _tiny_gpt2_dense(seed=0):
@@ -169,8 +171,8 @@ def _model_checks(rank, world, tmp: Path, out):
     for name, p in model.named_parameters():
         g = ref_params[name].grad
         if id(p) in experts:
-            local = p.shape[0]
-            worst_expert = max(worst_expert, _err(p.grad, g[rank * local:(rank + 1) * local]))
+            local = ep.local_tensor(p).shape[0]
+            worst_expert = max(worst_expert, _err(ep.local_tensor(p.grad), g[rank * local:(rank + 1) * local]))
         else:
             worst_dense = max(worst_dense, _err(p.grad, g))
     out["model/grad_dense"] = worst_dense
@@ -242,7 +244,187 @@ def _backend_checks(rank, world, out):
         out["backend/train_error"] = str(e)
 
 
-def _worker2(rank, world, port, tmp):
+# ---- a (dp, ep) DeviceMesh under FSDP2: the torchtitan recipe, DCP checkpoints, the dp/ep switch ----------------
+
+NOMINAL = 10  # the loss of a rank: its tokens' summed cross-entropy / NOMINAL (+ aux), so an empty rank adds 0
+SEQ = 6
+DCP_IDS = torch.randint(0, 50, (2, SEQ), generator=torch.Generator().manual_seed(99))
+
+
+def _starve(model, first: int, capacity_factor: float):
+    """Every MoEBlock: a router bias of -30 on experts >= first (never chosen: an ep rank that holds only those
+    receives no tokens) and capacity_factor (drops); the layout records it, so checkpoints rebuild the same."""
+    import dataclasses
+
+    from moecompile.ir import layout
+
+    identity = {e["path"]: e.get("identity", []) for e in layout.get_layout(model)}
+    for path, block in layout.moe_blocks(model):
+        block.config = dataclasses.replace(block.config, router_bias=True, capacity_factor=capacity_factor)
+        block.router.bias = torch.nn.Parameter(torch.zeros(block.config.num_experts))
+        with torch.no_grad():
+            block.router.bias[first:] = -30.0
+        layout.record(model, path, block.config, identity.get(path, []))
+    return model
+
+
+def _mesh_gpt2():
+    model = moecompile.moeize(_tiny_gpt2_dense(), experts=8, top_k=2, capacity_factor=0.0, noise=0.5, progress=False)
+    return _starve(model, 4, 1.0)
+
+
+def _mesh_mixtral():
+    """A tiny Mixtral whose sparse blocks are MoEBlocks with its router and SwiGLU experts (gate|up, down)."""
+    import transformers as tf
+
+    from moecompile.ir import layout
+
+    torch.manual_seed(1)
+    config = tf.MixtralConfig(hidden_size=16, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
+                              num_key_value_heads=1, vocab_size=50, max_position_embeddings=32, num_local_experts=8,
+                              num_experts_per_tok=2, initializer_range=0.2)
+    model = tf.MixtralForCausalLM(config).float()
+    for i, layer in enumerate(model.model.layers):
+        block = MoEBlock(MoEConfig(hidden_size=16, expert_size=12, num_experts=8, top_k=2, activation="silu",
+                                   gated=True, renormalize=True))
+        with torch.no_grad():
+            block.router.weight.normal_(0.0, 0.5)
+            block.experts.w_in.copy_(layer.mlp.experts.gate_up_proj)
+            block.experts.w_out.copy_(layer.mlp.experts.down_proj)
+        layer.mlp = block
+        layout.record(model, f"model.layers.{i}.mlp", block.config, [])
+    return _starve(model, 4, 1.0)
+
+
+def _lm_loss(model, ids):
+    from moecompile.ir import layout
+
+    for _, block in layout.moe_blocks(model):
+        block.aux_loss = None  # (a block keeps its last training forward's)
+    logits = model(input_ids=ids, use_cache=False).logits
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                           reduction="sum")
+    return ce / NOMINAL + moecompile.aux_loss(model)
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
+
+
+def _mesh_model_checks(rank, world, mesh, name, build, out, dcp_dir=None, load_dir=None):
+    """The recipe on one mesh: distribute over mesh["ep"], FSDP2 over the rest; loss, every gradient and the
+    parameters after an SGD step against the single-process model run on every rank's share (losses averaged)."""
+    from moecompile.io import dcp as dcp_io
+    from moecompile.ir import layout
+
+    key = f"{'x'.join(map(str, mesh.shape))}/{name}"
+    ref = build().train()
+    model = copy.deepcopy(ref)
+    moecompile.distribute(model, mesh["ep"])
+    ep.apply_fsdp(model, mesh, modules=[layout.moe_blocks(model)[0][1]])  # one inner FSDP unit, as per layer
+    ids = [torch.randint(0, 50, (2, SEQ), generator=torch.Generator().manual_seed(40 + r)) for r in range(world)]
+    blocks = [b for _, b in layout.moe_blocks(ref)]
+    counts = torch.zeros(blocks[0].config.num_experts, dtype=torch.long)
+    dropped = 0
+    for b in blocks:
+        b.track_routing = True
+    losses = []
+    for i in ids:
+        losses.append(_lm_loss(ref, i))
+        counts += sum(b.routing["counts"] for b in blocks)
+        dropped += sum(int(b.routing["dropped"]) for b in blocks)
+    torch.stack(losses).mean().backward()
+    out[f"{key}/tokens_per_expert"] = counts.tolist()
+    out[f"{key}/dropped"] = dropped
+    loss = _lm_loss(model, ids[rank])
+    loss.backward()
+    out[f"{key}/loss"] = _err(loss.detach(), losses[rank].detach())
+    ref_params = dict(ref.named_parameters())
+    grads = {n: _err(_full(p.grad), ref_params[n].grad) for n, p in model.named_parameters()}
+    out[f"{key}/grad"] = max(grads.values())
+    out[f"{key}/grads_checked"] = sorted(grads)
+    out[f"{key}/expert_placements"] = str(model.get_parameter(f"{layout.moe_blocks(model)[0][0]}.experts.w_in")
+                                          .placements)
+    for m, params in ((ref, ref.parameters()), (model, model.parameters())):
+        torch.optim.SGD(params, lr=0.5, momentum=0.9).step()
+    out[f"{key}/param_after_step"] = max(_err(_full(p.detach()), ref_params[n].detach())
+                                         for n, p in model.named_parameters())
+    model.eval()
+    ref.eval()
+    want = _logits(ref, DCP_IDS)
+    out[f"{key}/eval_out"] = _err(_logits(model, DCP_IDS), want)
+    if dcp_dir is not None:  # save here, for the other meshes and world sizes to load
+        dcp_io.save(model, dcp_dir)
+        if rank == 0:
+            torch.save(want, Path(dcp_dir).parent / "dcp_logits.pt")
+    if load_dir is not None:  # this mesh's model, loaded from another mesh's checkpoint
+        dcp_io.load(load_dir, model)
+        out[f"{key}/dcp_loaded_out"] = _err(_logits(model, DCP_IDS),
+                                            torch.load(Path(load_dir).parent / "dcp_logits.pt"))
+
+
+def _switch_checks(rank, world, mesh, out):
+    """One MoEBlock between two Linears under the recipe, rank 1 without tokens: parallel="ep" and "dp" against
+    the single-process model, outputs and every gradient."""
+    config = MoEConfig(hidden_size=H, expert_size=F, num_experts=4, top_k=2, capacity_factor=0.75, bias_in=True,
+                       bias_out="expert", gated=True, activation="silu")
+    torch.manual_seed(7)
+    ref = torch.nn.Sequential(torch.nn.Linear(H, H), _skewed_block(config, 7), torch.nn.Linear(H, H))
+    model = copy.deepcopy(ref)
+    block = moecompile.distribute(copy.deepcopy(ref[1]), mesh["ep"])  # the per-call argument, without FSDP
+    moecompile.distribute(model, mesh["ep"])
+    ep.apply_fsdp(model, mesh)
+    tokens = [7, 0, 12, 5][:world]
+    gen = torch.Generator().manual_seed(8)
+    xs = _inputs(tokens, gen)
+    ref_params = dict(ref.named_parameters())
+    outs = []
+    for x in xs:
+        ref[1].aux_loss = None
+        outs.append(ref(x))
+    torch.stack([(y * y).sum() / NOMINAL for y in outs]).mean().backward()
+    for mode in ("ep", "dp"):
+        model.zero_grad(set_to_none=True)
+        with ep.parallel_mode(model, mode):
+            y = model(xs[rank])
+        ((y * y).sum() / NOMINAL).backward()
+        out[f"switch/{mode}/out"] = _err(y.detach(), outs[rank].detach())
+        out[f"switch/{mode}/grad"] = max(_err(_full(p.grad), ref_params[n].grad) for n, p in model.named_parameters())
+    with torch.no_grad():
+        out["switch/kwarg"] = _err(block(xs[rank], parallel="dp"), block(xs[rank], parallel="ep"))
+    out["switch/bad_mode"] = _expect_error(lambda: block(xs[rank], parallel="tp"))
+
+
+def _mesh_worker_checks(rank, world, tmp: Path, out):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # full_tensor's notice
+    square = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    flat = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "ep"))
+    _switch_checks(rank, world, square, out)
+    _mesh_model_checks(rank, world, square, "gpt2", _mesh_gpt2, out, dcp_dir=tmp / "dcp")
+    _mesh_model_checks(rank, world, flat, "gpt2", _mesh_gpt2, out, load_dir=tmp / "dcp")
+    _mesh_model_checks(rank, world, square, "mixtral", _mesh_mixtral, out)
+    _mesh_model_checks(rank, world, flat, "mixtral", _mesh_mixtral, out)
+
+
+def _dcp_load_checks(rank, world, dcp_dir: Path, out):
+    """The 4-rank (2 x 2) checkpoint on 2 ranks as a 1 x 2 mesh under FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moecompile.io import dcp as dcp_io
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
+    model = dcp_io.build(dcp_dir)
+    moecompile.distribute(model, mesh["ep"])
+    ep.apply_fsdp(model, mesh)
+    dcp_io.load(dcp_dir, model)
+    model.eval()
+    out["dcp2/out"] = _err(_logits(model, DCP_IDS), torch.load(dcp_dir.parent / "dcp_logits.pt"))
+    out["dcp2/local_experts"] = ep.local_tensor(model.get_parameter("transformer.h.0.mlp.experts.w_in")).shape[0]
+
+
+def _worker2(rank, world, port, tmp, dcp_dir=None):
     _init(rank, world, port)
     tmp, out = Path(tmp), {}
     gelu = MoEConfig(hidden_size=H, expert_size=F, num_experts=4, top_k=2, capacity_factor=0.0, bias_in=True,
@@ -254,6 +436,8 @@ def _worker2(rank, world, port, tmp):
     _model_checks(rank, world, tmp, out)
     _graph_checks(rank, world, out, degree=2)
     _backend_checks(rank, world, out)
+    if dcp_dir is not None:
+        _dcp_load_checks(rank, world, Path(dcp_dir), out)
     torch.manual_seed(5)
     built = ep.ExpertParallelMoEBlock(MoEConfig(H, F, 4, top_k=2))  # constructed sharded
     torch.manual_seed(5)
@@ -261,7 +445,7 @@ def _worker2(rank, world, port, tmp):
     x = torch.randn(5, H)
     with torch.no_grad():
         out["ctor/out"] = _err(built(x), ep.ExpertParallelMoEBlock.from_block(copy.deepcopy(whole))(x))
-    out["ctor/shape"] = list(built.experts.w_in.shape)
+    out["ctor/shape"] = list(ep.local_tensor(built.experts.w_in).shape)
     out["errors/not_divisible"] = _expect_error(lambda: ep.distribute(MoEBlock(MoEConfig(H, F, 3, top_k=1))))
     out["errors/fewer_experts"] = _expect_error(lambda: ep.distribute(MoEBlock(MoEConfig(H, F, 1, top_k=1))))
     # a peer that does not take part: a group with a 2 s timeout, rank 1 sits out; rank 0 must fail, not hang
@@ -294,19 +478,26 @@ def _worker4(rank, world, port, tmp):
     one_local = MoEConfig(hidden_size=H, expert_size=F, num_experts=4, top_k=2, capacity_factor=0.75, gated=True,
                           activation="gelu")
     _block_checks(rank, world, "e4", one_local, [5, 8, 1, 0], (1, 3), 4, out)
+    _mesh_worker_checks(rank, world, Path(tmp), out)
     dist.barrier()
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return _spawn(_worker2, 2, tmp_path_factory.mktemp("ep2"))
+def four_ranks_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep4")
+    return _spawn(_worker4, 4, tmp), tmp
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    return _spawn(_worker4, 4, tmp_path_factory.mktemp("ep4"))
+def four_ranks(four_ranks_dir):
+    return four_ranks_dir[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, four_ranks_dir):
+    return _spawn(_worker2, 2, tmp_path_factory.mktemp("ep2"), str(four_ranks_dir[1] / "dcp"))
 
 
 def _errors(results: list[dict], prefix: str) -> dict[str, float]:
@@ -494,5 +685,62 @@ def test_ep_train_example_under_torchrun(tmp_path):
     assert "ranks: 2 (gloo)" in proc.stdout and "(2 per rank)" in proc.stdout, proc.stdout
     losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and losses[-1] < losses[0], proc.stdout
-    ep_checkpoint.gather(save, tmp_path / "whole", progress=False)
+    assert "mesh: dp 1 x ep 2" in proc.stdout, proc.stdout
+    from moecompile.io import dcp as dcp_io
+
+    dcp_io.export(save, tmp_path / "whole")
     assert len(moecompile.load(tmp_path / "whole", progress=False).moe_layout) == 2
+
+
+# ---- a (dp, ep) mesh under FSDP2, DCP, the dp/ep switch (4 processes; the DCP checkpoint also on 2 and 1)
+
+@pytest.mark.parametrize("mesh", ["2x2", "1x4"])
+@pytest.mark.parametrize("model", ["gpt2", "mixtral"])
+def test_mesh_fsdp_matches_single_process(four_ranks, mesh, model):
+    key = f"{mesh}/{model}"
+    res = four_ranks[0]
+    counts = res[f"{key}/tokens_per_expert"]
+    assert counts[4:] == [0, 0, 0, 0] and min(counts[:4]) > 0, counts  # experts 4..7 (an ep rank's) get no tokens
+    assert res[f"{key}/dropped"] > 0  # capacity drops
+    assert len(res[f"{key}/grads_checked"]) == len(set(res[f"{key}/grads_checked"])) > 20
+    assert "experts.w_in" in " ".join(res[f"{key}/grads_checked"])
+    assert "Shard(dim=0)" in res[f"{key}/expert_placements"]  # experts: DTensors on (dp, ep), sharded on both
+    _assert_close(four_ranks, f"{key}/")
+
+
+def test_dcp_checkpoint_reshards_across_meshes_and_world_sizes(four_ranks, two_ranks, four_ranks_dir, tmp_path):
+    from moecompile.io import dcp as dcp_io
+
+    _assert_close(four_ranks, "1x4/gpt2/dcp_loaded_out")  # saved on 2 x 2, loaded on 1 x 4
+    _assert_close(two_ranks, "dcp2/")  # on 2 ranks
+    assert two_ranks[0]["dcp2/local_experts"] == 4
+    source = four_ranks_dir[1] / "dcp"
+    want = torch.load(source.parent / "dcp_logits.pt")
+    assert json.loads((source / "config.json").read_text())["moe"]["dcp"]["world_size"] == 4
+    assert _err(_logits(dcp_io.load(source).eval(), DCP_IDS), want) <= TOL  # on 1 process
+    assert cli_main(["checkpoint", "export-dcp", str(source), str(tmp_path / "whole")]) == 0
+    whole = moecompile.load(tmp_path / "whole", progress=False)  # the single-folder format
+    assert _err(_logits(whole, DCP_IDS), want) <= TOL
+    assert "lm_head.weight" not in _state(tmp_path / "whole")  # tied to the embeddings: stored once
+    assert cli_main(["checkpoint", "export-dcp", str(source), str(tmp_path / "whole")]) == 2  # not empty
+    assert cli_main(["checkpoint", "export-dcp", str(tmp_path / "whole"), str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()
+
+
+def test_parallel_switch_dp_and_ep_agree(four_ranks):
+    for mode in ("ep", "dp"):
+        _assert_close(four_ranks, f"switch/{mode}/")
+    _assert_close(four_ranks, "switch/kwarg")
+    assert "parallel must be one of" in four_ranks[0]["switch/bad_mode"]
+
+
+def test_ep_train_example_under_lightning_model_parallel_strategy(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "-m", "moecompile.examples.ep_train", "--lightning", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
+           "--parallel", "dp"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "ranks: 2 (gloo, lightning" in proc.stdout and "(2 per rank)" in proc.stdout, proc.stdout
+    losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0], proc.stdout

@@ -49,8 +49,12 @@ def split(tensors: dict[str, torch.Tensor], blocks: list[dict]) -> tuple[dict, d
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors, each stored once (a tied weight keeps its first name, as save_pretrained does)."""
+    from torch.distributed.tensor import DTensor
+
     seen, out = set(), {}
     for name, t in model.state_dict().items():
+        if isinstance(t, DTensor):  # an expert-parallel model's experts: this rank's shard
+            t = t.to_local()
         key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
         if t.numel() == 0 or key not in seen:
             seen.add(key)
@@ -64,7 +68,10 @@ def model_config(model: nn.Module) -> dict:
     if config is None or not hasattr(config, "to_json_string"):
         return {}
     out = json.loads(config.to_json_string(use_diff=True))
-    out["architectures"] = [type(model).__name__]
+    cls = type(model)
+    if cls.__name__.startswith("FSDP") and len(cls.__mro__) > 2:  # fully_shard's subclass FSDP<Name>(FSDPModule, Name)
+        cls = next(c for c in cls.__mro__[1:] if c.__name__ == cls.__name__[4:])
+    out["architectures"] = [cls.__name__]
     return out
 
 
