@@ -345,7 +345,7 @@ def _mesh_model_checks(rank, world, mesh, name, build, out, dcp_dir=None, load_d
     out[f"{key}/grads_checked"] = sorted(grads)
     out[f"{key}/expert_placements"] = str(model.get_parameter(f"{layout.moe_blocks(model)[0][0]}.experts.w_in")
                                           .placements)
-    for m, params in ((ref, ref.parameters()), (model, model.parameters())):
+    for params in (ref.parameters(), model.parameters()):
         torch.optim.SGD(params, lr=0.5, momentum=0.9).step()
     out[f"{key}/param_after_step"] = max(_err(_full(p.detach()), ref_params[n].detach())
                                          for n, p in model.named_parameters())
