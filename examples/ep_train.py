@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import moecompile
 from moecompile import distributed as ep
+from moecompile import settings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -130,14 +131,12 @@ def train(args) -> int:
 
 
 def train_lightning(args) -> int:
-    import os
-
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from moecompile.integrations.lightning import MoECallback
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; Lightning forms the group itself
+    world = int(settings.world_size("1"))  # torchrun's; Lightning forms the group itself
     ep_size = args.ep or world
     if world % ep_size:
         raise moecompile.MoECompileError(f"--ep {ep_size} does not divide the world size {world}")
