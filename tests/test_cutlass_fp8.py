@@ -12,13 +12,13 @@ from moecompile.kernels import cutlass_fp8
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
-def test_cutlass_library_builds_and_answers_its_workspace_query(tmp_path, monkeypatch):
-    """~1 minute on 2 cores: nvcc compiles CUTLASS's grouped blockwise GEMM (host and sm_90a device code)."""
-    library = cutlass_fp8.build(tmp_path / "lib.so")
-    assert [p.name for p in tmp_path.iterdir()] == ["lib.so"]  # the temporary build folder is gone
+def test_cutlass_library_builds_and_answers_its_workspace_query():
+    """nvcc compiles CUTLASS's grouped blockwise GEMM (host and sm_90a device code) into the runtime's build cache,
+    keyed by the source, the command and nvcc's version: about a minute on 2 cores the first time a source or
+    compiler is seen, a load afterwards. The library then answers its workspace query."""
     cutlass_fp8.library.cache_clear()
     try:
-        lib = cutlass_fp8.library(str(library))
+        lib = cutlass_fp8.library(None, settings.cache_dir(), settings.cuda_home())
         needed = ctypes.c_size_t(0)
         nulls = [None] * 7
         # workspace None: only the size is computed (per-expert argument arrays, regrouped scales, CUTLASS's own)
@@ -27,6 +27,20 @@ def test_cutlass_library_builds_and_answers_its_workspace_query(tmp_path, monkey
         assert needed.value >= 8192 * (4096 // 128) * 4  # at least the regrouped activation scales
     finally:
         cutlass_fp8.library.cache_clear()
+
+
+def test_build_writes_the_library_whole_or_not_at_all(tmp_path, monkeypatch):
+    """build() compiles into a temporary folder and renames: only the finished file appears, a failure leaves none."""
+    def fake_command(output, cuda_home=None):
+        return ["sh", "-c", f"printf lib > '{output}'"]
+
+    monkeypatch.setattr(cutlass_fp8, "build_command", fake_command)
+    assert cutlass_fp8.build(tmp_path / "lib.so").read_text() == "lib"
+    assert [p.name for p in tmp_path.iterdir()] == ["lib.so"]  # the temporary build folder is gone
+    monkeypatch.setattr(cutlass_fp8, "build_command", lambda output, cuda_home=None: ["sh", "-c", "exit 3"])
+    with pytest.raises(cutlass_fp8.CutlassUnavailable, match="failed"):
+        cutlass_fp8.build(tmp_path / "other.so")
+    assert [p.name for p in tmp_path.iterdir()] == ["lib.so"]
 
 
 def test_missing_headers_or_compiler_is_one_clear_error(monkeypatch, tmp_path):
