@@ -360,7 +360,7 @@ def _mesh_model_checks(rank, world, mesh, name, build, out, dcp_dir=None, load_d
     if load_dir is not None:  # this mesh's model, loaded from another mesh's checkpoint
         dcp_io.load(load_dir, model)
         out[f"{key}/dcp_loaded_out"] = _err(_logits(model, DCP_IDS),
-                                            torch.load(Path(load_dir).parent / "dcp_logits.pt"))
+                                            torch.load(Path(load_dir).parent / "dcp_logits.pt", weights_only=True))
 
 
 def _switch_checks(rank, world, mesh, out):
@@ -420,7 +420,7 @@ def _dcp_load_checks(rank, world, dcp_dir: Path, out):
     ep.apply_fsdp(model, mesh)
     dcp_io.load(dcp_dir, model)
     model.eval()
-    out["dcp2/out"] = _err(_logits(model, DCP_IDS), torch.load(dcp_dir.parent / "dcp_logits.pt"))
+    out["dcp2/out"] = _err(_logits(model, DCP_IDS), torch.load(dcp_dir.parent / "dcp_logits.pt", weights_only=True))
     out["dcp2/local_experts"] = ep.local_tensor(model.get_parameter("transformer.h.0.mlp.experts.w_in")).shape[0]
 
 
@@ -715,7 +715,7 @@ def test_dcp_checkpoint_reshards_across_meshes_and_world_sizes(four_ranks, two_r
     _assert_close(two_ranks, "dcp2/")  # on 2 ranks
     assert two_ranks[0]["dcp2/local_experts"] == 4
     source = four_ranks_dir[1] / "dcp"
-    want = torch.load(source.parent / "dcp_logits.pt")
+    want = torch.load(source.parent / "dcp_logits.pt", weights_only=True)
     assert json.loads((source / "config.json").read_text())["moe"]["dcp"]["world_size"] == 4
     assert _err(_logits(dcp_io.load(source).eval(), DCP_IDS), want) <= TOL  # on 1 process
     assert cli_main(["checkpoint", "export-dcp", str(source), str(tmp_path / "whole")]) == 0
