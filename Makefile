@@ -11,9 +11,8 @@ DEMO_OUT := build/demo/minilm-moe8
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch pinned: a CPU wheel on local disk; an unpinned torch pulls a multi-GB CUDA build
-	# --no-compile: Python byte-compiles only the modules it imports, not all of torch's (halves the install)
-	$(PY) -m pip install --quiet --no-compile torch==2.13.0
-	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
 install: $(VENV)/.installed
