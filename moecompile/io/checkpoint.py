@@ -316,8 +316,10 @@ def apply_layout(model: nn.Module, entries: list[dict]) -> nn.Module:
 def load(directory: str | os.PathLike, model: nn.Module | None = None, progress: bool = True) -> nn.Module:
     """Load a checkpoint written by save(). Pass `model` (a dense skeleton) for non-HF models."""
     directory = Path(directory)
-    if directory.is_dir() and NATIVE_RECORD in read_config(directory) and "moe" not in read_config(directory):
-        return _load_native(directory)
+    if directory.is_dir() and (directory / CONFIG).is_file():
+        saved = read_config(directory)
+        if NATIVE_RECORD in saved and "moe" not in saved:
+            return _load_native(directory)
     config, moe = read_moe_config(directory)
     refuse_sharded(directory, moe)
     tensors = read_tensors(weight_files(directory), progress)
