@@ -204,7 +204,10 @@ def convert(a) -> int:
                layers=a.layers, noise=a.noise, seed=a.seed, progress=progress)
     moe_out, dropped = _probe_with_drops(model, probe_args, probe_kwargs)
     diff = (moe_out - dense_out).abs().max().item()
-    exact_diff = (_probe_dropless(model, probe_args, probe_kwargs) - dense_out).abs().max().item()
+    # capacity only drops assignments: with none dropped the dropless output is the one just computed
+    exact_diff = diff
+    if dropped:
+        exact_diff = (_probe_dropless(model, probe_args, probe_kwargs) - dense_out).abs().max().item()
     if a.fp8:
         from moecompile.ir import fp8
 
@@ -256,8 +259,9 @@ def _convert_native(a, directory, out, start: float) -> int:
     print(f"converted {a.model}: {len(r.moe_layers)} FFNs -> {r.target} (upcycle, {a.experts} experts, top-{a.top_k}), "
           "native Hugging Face format: AutoModelForCausalLM loads it without moecompile")
     print(f"  parameters: dense {report.human(r.source_params)} -> total {report.human(r.output_params)}")
-    print(f"  transformers runs it dropless (exactly the dense model at init); capacity factor {a.capacity_factor} "
-          "is recorded in config.json for moecompile.compile")
+    exact = "exactly the dense model at init" if not a.noise else f"the dense model plus --noise {a.noise}"
+    print(f"  transformers runs it dropless ({exact}); capacity factor {a.capacity_factor} is recorded in config.json "
+          "for moecompile.compile")
     files = sorted(f for f in out.iterdir() if f.is_file())
     print(f"  wrote {len(files)} files, {r.output_bytes / 1e9:.2f} GB of weights in {r.shards} shard(s), to {out} in "
           f"{time.perf_counter() - start:.1f} s")
