@@ -1,6 +1,7 @@
 """What a model holds: its MoE blocks (or the FFNs a conversion would replace) and parameter counts."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from torch import nn
@@ -42,7 +43,8 @@ def checkpoint_summary(directory) -> dict:
     directory = Path(directory)
     _, moe = checkpoint.read_moe_config(directory)
     checkpoint.refuse_sharded(directory, moe)
-    sizes = checkpoint.tensor_sizes(checkpoint.weight_files(directory))
+    sizes = {name: math.prod(shape) for name, (_, shape, _) in
+             checkpoint.tensor_headers(checkpoint.weight_files(directory)).items()}
     rows, inactive = [], 0
     for entry in moe["blocks"]:
         c = MoEConfig.from_dict(entry["config"])

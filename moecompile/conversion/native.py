@@ -42,6 +42,8 @@ from moecompile.io.checkpoint import (
     check_output_dir,
     copy_tokenizer,
     read_config,
+    tensor_headers,
+    weight_files,
     write_config,
 )
 from moecompile.ir import knobs
@@ -248,34 +250,12 @@ def parse_size(size: str | int) -> int:
 
 
 def source_tensors(directory: Path) -> dict[str, tuple[Path, tuple, str]]:
-    """name -> (file, shape, safetensors dtype) of every tensor of a checkpoint folder, from the headers alone."""
+    """name -> (file, shape, safetensors dtype) of every tensor of a checkpoint folder, from the headers alone. A
+    tensor IGNORED matches is neither checked nor written."""
+    tensors = {k: v for k, v in tensor_headers(weight_files(directory)).items() if not IGNORED.search(k)}
     index = directory / WEIGHTS_INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
-            raise MoECompileError(f"{index} is not a valid safetensors index: {e}") from None
-    elif (directory / WEIGHTS).is_file():
-        weight_map, files = None, [WEIGHTS]
-    else:
-        raise MoECompileError(f"no safetensors weights in {directory} ({WEIGHTS} or {WEIGHTS_INDEX})")
-    tensors = {}
-    for name in files:  # a tensor skipped by IGNORED is neither checked nor written
-        path = directory / name
-        if not path.is_file():
-            raise MoECompileError(f"missing weight file {path} (named by {index.name})")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    if IGNORED.search(key):
-                        continue
-                    s = f.get_slice(key)
-                    tensors[key] = (path, tuple(s.get_shape()), s.get_dtype())
-        except (SafetensorError, OSError, ValueError) as e:
-            raise MoECompileError(f"corrupt or truncated safetensors file {path}: {e}") from None
-    if weight_map is not None:
-        lost = [k for k, f in weight_map.items()
+    if index.is_file():  # weight_files checked that it parses
+        lost = [k for k, f in json.loads(index.read_text())["weight_map"].items()
                 if not IGNORED.search(k) and (k not in tensors or tensors[k][0].name != f)]
         if lost:
             raise MoECompileError(f"{index.name} names {len(lost)} tensors its files do not hold, e.g. {lost[0]}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -198,19 +197,20 @@ def read_tensors(files: list[Path], progress: bool = True) -> dict[str, torch.Te
     return tensors
 
 
-def tensor_sizes(files: list[Path]) -> dict[str, int]:
-    """Element count of every tensor in the files, read from their headers alone (no tensor data)."""
-    sizes = {}
+def tensor_headers(files: list[Path]) -> dict[str, tuple[Path, tuple, str]]:
+    """name -> (file, shape, safetensors dtype) of every tensor in the files, from their headers alone (no data)."""
+    headers = {}
     for path in files:
         if not path.is_file():
             raise MoECompileError(f"missing weight file {path}")
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
-                    sizes[key] = math.prod(f.get_slice(key).get_shape())
+                    view = f.get_slice(key)
+                    headers[key] = (path, tuple(view.get_shape()), view.get_dtype())
         except (SafetensorError, OSError, ValueError) as e:
             raise MoECompileError(f"corrupt or truncated safetensors file {path}: {e}") from None
-    return sizes
+    return headers
 
 
 def build_skeleton(config: dict, directory: Path) -> nn.Module:
