@@ -4,13 +4,15 @@ import torch
 
 
 def supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """What torch._grouped_mm takes: CUDA on sm_90+, bf16 operands, the last two sizes multiples of 8, rows."""
+    """What torch._grouped_mm takes: CUDA on sm_90+, bf16 operands, rows, the inner sizes multiples of 8 (any row
+    count: one decoded token at top-2 is 2 rows)."""
     if not (x.is_cuda and hasattr(torch, "_grouped_mm") and x.shape[0] > 0):
         return False
     if torch.cuda.get_device_capability(x.device) < (9, 0):
         return False
     tensors = (x, *weights)
-    return all(t.dtype == torch.bfloat16 for t in tensors) and all(s % 8 == 0 for t in tensors for s in t.shape[-2:])
+    sizes = (x.shape[-1], *(s for w in weights for s in w.shape[-2:]))
+    return all(t.dtype == torch.bfloat16 for t in tensors) and all(s % 8 == 0 for s in sizes)
 
 
 def grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ _PUBLIC = {  # name -> module that defines it
     "load": "moecompile.io.checkpoint", "save": "moecompile.io.checkpoint",
     "export_onnx": "moecompile.io.onnx_export", "distribute": "moecompile.distributed",
     "RoutingStats": "moecompile.stats", "routing_metrics": "moecompile.stats", "routing_stats": "moecompile.stats",
-    "track_routing": "moecompile.stats",
+    "track_routing": "moecompile.stats", "generate": "moecompile.generation", "Generator": "moecompile.generation",
 }
 _RENAMED = {"quantize_fp8": "quantize"}
 _MODULES = {"ops": "moecompile.ir.ops"}
