@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of one device call: install, the GPU tests, then the MoE-layer benchmark (peers in the same run).
-#   bash bench/gpu_check.sh tests          # pytest -m gpu, log to $OUT/gpu-tests.log
+#   bash bench/gpu_check.sh tests [PATHS]  # pytest -m gpu (all of tests/ by default), log to $OUT/gpu-tests.log
 #   bash bench/gpu_check.sh layer          # bench/moe_layer.py --profile, table to $OUT/gpu-moe-layer.md
+#   bash bench/gpu_check.sh generate [ARGS] # bench/generate.py ARGS, table to $OUT/gpu-generate.md
 # On the device tool's H200 machine: its python3 has torch, triton and transformers; nothing is downloaded
 # (carry .whl/ with the wheels it lacks).
 set -uo pipefail
@@ -9,6 +10,7 @@ export PYTHONUNBUFFERED=1
 out=${OUT:-build/gpu-check}
 mkdir -p "$out"
 what=${1:-tests}
+shift || true
 if ls .whl/*.whl > /dev/null 2>&1; then  # wheels the machine lacks (nvidia-cutlass: the CUTLASS FP8 headers)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$out/install.log" 2>&1 \
     && export PYTHONPATH=/tmp/site
@@ -18,7 +20,8 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >> "$
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 case "$what" in
-  tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=10 2>&1 | tee "$out/gpu-tests.log" ;;
+  tests) python3 -m pytest -q -m gpu "${@:-tests}" -p no:cacheprovider --durations=10 2>&1 | tee "$out/gpu-tests.log" ;;
   layer) python3 bench/moe_layer.py --profile --out "$out/gpu-moe-layer.md" 2>&1 | tee "$out/gpu-moe-layer.log" ;;
-  *) echo "usage: bench/gpu_check.sh tests|layer" >&2; exit 2 ;;
+  generate) python3 bench/generate.py --out "$out/gpu-generate.md" "$@" 2>&1 | tee "$out/gpu-generate.log" ;;
+  *) echo "usage: bench/gpu_check.sh tests [PATHS]|layer|generate [ARGS]" >&2; exit 2 ;;
 esac

@@ -10,8 +10,8 @@ Layout conventions shared by every kernel:
   only the rows of assignments with a nonzero weight.
 - quantize_fp8() / experts_fp8() are the FP8 (e4m3, inference-only) forms; moecompile/ir/fp8_format.py fixes their
   scales.
-- No kernel synchronises with the host except experts(), which walks the groups on the host: route and dispatch
-  count with scatter_add rather than bincount (whose output size depends on the data).
+- No kernel synchronises with the host except experts(), which walks the groups on the host (outside CUDA-graph
+  capture): route and dispatch count with scatter_add rather than bincount (whose output size depends on the data).
 """
 import math
 
@@ -181,21 +181,34 @@ def _grouped_ffn(x, offsets, expert_weights, b_in, b_out, out_features: int, act
     """Rows of group e go through expert e: act(x W_in[e]^T + b_in[e]) W_out[e]^T + b_out[e], with
     (W_in[e], W_out[e]) = expert_weights(e), `first` (if given) applied to x W_in[e]^T before the bias and
     `between` to the activation (how a kernel rounds them). keep_h (if given) receives each group's x W_in[e]^T."""
-    y = x.new_zeros(x.shape[0], out_features)
-    for e, start, end in _groups(offsets):
-        if end == start:
-            continue
+    def ffn(e, rows):
         w_in, w_out = expert_weights(e)
-        h = x[start:end] @ w_in.t()
-        if keep_h is not None:
-            keep_h[start:end] = h
-        if first is not None:
-            h = first(h)
+        h = rows @ w_in.t()
+        pre = h if first is None else first(h)
         if b_in is not None:
-            h = h + b_in[e]
-        a = expert_activation(activation, gated, h, interleaved, alpha, limit)
+            pre = pre + b_in[e]
+        a = expert_activation(activation, gated, pre, interleaved, alpha, limit)
         out = (a if between is None else between(a)) @ w_out.t()
-        y[start:end] = out + b_out[e] if b_out is not None else out
+        return h, out + b_out[e] if b_out is not None else out
+
+    y = x.new_zeros(x.shape[0], out_features)
+    if offsets.is_cuda and torch.cuda.is_current_stream_capturing():
+        # the group bounds cannot be read on the host while a CUDA graph is captured: every expert takes every row
+        # and keeps its group's (E times the work; what device kernels cannot take, e.g. float32, still captures)
+        row = torch.arange(x.shape[0], device=x.device).unsqueeze(1)
+        starts = torch.cat([offsets.new_zeros(1), offsets[:-1]])
+        for e in range(offsets.shape[0]):
+            mine = (row >= starts[e]) & (row < offsets[e])
+            h, out = ffn(e, x)
+            y = torch.where(mine, out, y)
+            if keep_h is not None:
+                keep_h.copy_(torch.where(mine, h, keep_h))
+        return y
+    for e, start, end in _groups(offsets):
+        if end > start:
+            h, y[start:end] = ffn(e, x[start:end])
+            if keep_h is not None:
+                keep_h[start:end] = h
     return y
 
 

@@ -70,6 +70,7 @@ class Generator:
         self.column = torch.zeros(1, **long)  # the output column it writes
         self.out = torch.zeros(batch_size, max_length, **long)
         self.mask = None  # [batch, max_length] when the prompt is padded
+        self.prefill_logits = None  # the prompt's last logits, [batch, vocab]
         self._graph = None
         self._compiled = compile
         self._initialise_cache()
@@ -97,12 +98,14 @@ class Generator:
             return fn(*args)
 
     def _forward(self, input_ids, position_ids, attention_mask):
+        """(greedy next token [batch, 1], the last position's logits)"""
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                          past_key_values=self.cache, use_cache=True, **self._extra)
-        return out.logits[:, -1].argmax(-1, keepdim=True)
+        logits = out.logits[:, -1]
+        return logits.argmax(-1, keepdim=True), logits
 
     def _decode_step(self, tokens, positions, column, out, mask):
-        nxt = self._forward(tokens, positions, mask)
+        nxt, _ = self._forward(tokens, positions, mask)
         out.index_copy_(1, column, nxt)
         tokens.copy_(nxt)
         positions.add_(1)
@@ -134,7 +137,8 @@ class Generator:
                                                     device=self.device), None
             self.mask.fill_(1)
             self.mask[:, :length] = attention_mask
-        first = self._run(self._prefill, input_ids, positions, self.mask[:, :length] if self.mask is not None else None)
+        prompt_mask = self.mask[:, :length] if self.mask is not None else None
+        first, self.prefill_logits = self._run(self._prefill, input_ids, positions, prompt_mask)
         self.out[:, :length] = input_ids
         self.out[:, length:length + 1] = first
         self.tokens.copy_(first)
