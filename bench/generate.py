@@ -29,7 +29,6 @@ import time
 import torch
 import transformers
 
-import moecompile
 from moecompile.generation import Generator
 
 MODELS = {  # name: (config class, model class, layers, sizes) - per-layer sizes of the published models
@@ -138,18 +137,17 @@ def cos(a, b) -> float:
 
 def hf_mode(model, mode: str, ids, new: int, device: str, reps: int, reference):
     """(prefill s, decode s per step, tokens, cosine) of HF generate in one of the hf-* modes."""
-    from transformers import CompileConfig, GenerationConfig, StaticCache
+    from transformers import CompileConfig, StaticCache
 
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     step = 0
     model.set_experts_implementation("moecompile" if mode == "hf-experts-mc" else "grouped_mm")
     if mode in ("hf-inductor", "hf-moecompile"):
         backend = "inductor" if mode == "hf-inductor" else "moecompile"
+        # one static cache for every call: HF sizes a cache of its own by max_new_tokens (a new graph per length)
         cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new)
-        kwargs["generation_config"] = GenerationConfig(
-            do_sample=False, eos_token_id=None, pad_token_id=0, cache_implementation="static",
-            compile_config=CompileConfig(backend=backend, mode="reduce-overhead", fullgraph=True))
-        del kwargs["do_sample"], kwargs["eos_token_id"], kwargs["pad_token_id"]
+        model.generation_config.compile_config = CompileConfig(backend=backend, mode="reduce-overhead",
+                                                               fullgraph=True)
         step = 1  # HF runs the prompt eagerly: its first compiled step is the second
 
         def run(n, **extra):
@@ -165,6 +163,7 @@ def hf_mode(model, mode: str, ids, new: int, device: str, reps: int, reference):
     prefill = timed(lambda: run(1), device, reps)
     total = timed(lambda: run(new), device, reps)
     model.set_experts_implementation("grouped_mm")
+    model.generation_config.compile_config = None
     return prefill, (total - prefill) / (new - 1), out.sequences, cosine, out
 
 
@@ -217,15 +216,14 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--out")
+    parser.add_argument("--commit", help="the commit to name in the header (default: git's HEAD)")
     args = parser.parse_args(argv)
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     modes = args.modes.split(",")
     bandwidth = copy_bandwidth(device)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
     header = [f"# Whole-model generation ({'tiny widths, ' if args.tiny else ''}{device})", "",
               f"Command: `python bench/generate.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
               f"(commit {commit or '?'})", "",

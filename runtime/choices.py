@@ -27,11 +27,18 @@ FP8_GEMM = settings.fp8_gemm()  # auto | rowwise | block
 FP8_BLOCK_KERNEL = settings.fp8_block_kernel()  # auto | cutlass | gluon | triton
 # Below this many rows per expert a batch is "decode": tiles are mostly empty and other kernels win.
 DECODE_ROWS_PER_EXPERT = 64
+# Below this many rows per expert an eager (uncompiled) call of the HF experts integration on CUDA runs HF's own
+# grouped_mm implementation: the host cost of launching Triton kernels outweighs what they save on the device.
+EAGER_HF_ROWS_PER_EXPERT = 2
 EXPERT_GEMM_CONFIG = "expert_gemm.json"  # in moecompile.kernels' configs/
 
 
 def is_batch(rows: int, num_experts: int) -> bool:
     return rows >= DECODE_ROWS_PER_EXPERT * num_experts
+
+
+def eager_prefers_hf(rows: int, num_experts: int) -> bool:
+    return rows < EAGER_HF_ROWS_PER_EXPERT * num_experts
 
 
 def regime(rows: int, num_experts: int) -> str:

@@ -15,6 +15,7 @@ from moecompile.errors import MoECompileError
 from moecompile.ir import ops
 from moecompile.ir.activations import expert_activation
 from moecompile.ir.config import identify_activation
+from moecompile.runtime import choices
 
 NAME = "moecompile"
 _SPEC_ATTR = "_moecompile_experts_spec"
@@ -75,7 +76,13 @@ def _verify(module, spec: dict) -> None:
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """HF experts forward on moecompile ops: dispatch -> experts -> combine (ids >= E are dropped slots)."""
+    """HF experts forward on moecompile ops: dispatch -> experts -> combine (ids >= E are dropped slots). Small eager
+    CUDA batches take HF's grouped_mm implementation (runtime/choices.py says when)."""
+    if (hidden_states.is_cuda and not torch.compiler.is_compiling()
+            and choices.eager_prefers_hf(top_k_index.numel(), self.num_experts)):
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        return ALL_EXPERTS_FUNCTIONS["grouped_mm"](self, hidden_states, top_k_index, top_k_weights)
     spec = experts_spec(self)
     w_in = self.gate_up_proj if spec["gated"] else self.up_proj
     w_out = self.down_proj
