@@ -27,6 +27,7 @@ import torch
 import transformers
 
 import moecompile
+import moecompile.backend
 from moecompile.runtime.registry import kernel_for
 
 REAL = {
@@ -49,6 +50,12 @@ def build(name: str, layers: int, tiny: bool, device: str, dtype: torch.dtype, s
     sizes = {**sizes, **(TINY[name] if tiny else {})}
     config = getattr(transformers, config_cls)(num_hidden_layers=layers, vocab_size=1024,
                                                max_position_embeddings=32768, **sizes)
+    return instantiate(model_cls, config, device, dtype, seed)
+
+
+def instantiate(model_cls: str, config, device: str, dtype: torch.dtype, seed: int = 0):
+    """transformers' model_cls from config, random weights made directly on device in dtype, in eval mode; routers
+    with unit-variance logits (HF initialises some to zero): a realistic spread of tokens over experts."""
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -57,10 +64,10 @@ def build(name: str, layers: int, tiny: bool, device: str, dtype: torch.dtype, s
             model = getattr(transformers, model_cls)(config).eval()
     finally:
         torch.set_default_dtype(previous)
-    with torch.no_grad():  # routers with unit-variance logits: a realistic spread of tokens over experts
+    with torch.no_grad():
         for pname, p in model.named_parameters():
-            if pname.endswith("mlp.gate.weight"):
-                p.normal_(0.0, config.hidden_size ** -0.5)
+            if pname.endswith(("gate.weight", "router.weight")) and p.dim() == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
     return model
 
 

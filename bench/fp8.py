@@ -23,6 +23,8 @@ import time
 import torch
 from torch import nn
 
+from moecompile.runtime import graphs
+
 SHAPES = {  # name: (d, f, E, k, tokens)
     "mixtral": (4096, 14336, 8, 2, 4096),
     "deepseek-v3": (7168, 2048, 256, 8, 4096),
@@ -67,14 +69,7 @@ def graph_ms(fn, device: torch.device, ops: tuple[str, ...]) -> float | None:
     if device.type != "cuda" or any(kernel_names(device)[op] == "reference" for op in ops):
         return None
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
+        g, _ = graphs.capture(fn)
     except RuntimeError as e:  # e.g. a kernel that synchronises with the host
         print(f"  (no CUDA graph: {str(e).splitlines()[0]})", flush=True)
         return None

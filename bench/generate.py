@@ -28,6 +28,7 @@ import time
 
 import torch
 import transformers
+from compile import instantiate  # bench/compile.py, beside this script: the same random HF models
 
 from moecompile.generation import Generator
 
@@ -58,18 +59,7 @@ def build(name: str, tiny: bool, device: str, dtype: torch.dtype):
         sizes = {**sizes, **{k: v for k, v in TINY.items() if k in sizes}}
     config = config_type(num_hidden_layers=layers, max_position_embeddings=4096, **sizes)
     config.eos_token_id = None
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = getattr(transformers, model_cls)(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():  # HF initialises some routers to zero: random routing, as a trained model's
-        for pname, p in model.named_parameters():
-            if pname.endswith(("gate.weight", "router.weight")) and p.dim() == 2:
-                p.normal_(0.0, p.shape[1] ** -0.5)
+    model = instantiate(model_cls, config, device, dtype)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model

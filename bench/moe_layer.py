@@ -98,15 +98,10 @@ def bare_grouped_gemms(d, f, e, k, tokens):
 
 def graph_time(fn, x):
     """Median time of fn(x) replayed from a CUDA graph (moecompile's layer is capturable: no host sync)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(x)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn(x)
-    return bench(g.replay)
+    from moecompile.runtime import graphs
+
+    graph, _ = graphs.capture(lambda: fn(x))
+    return bench(graph.replay)
 
 
 def copy_bandwidth() -> float:

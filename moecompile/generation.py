@@ -21,6 +21,7 @@ import weakref
 import torch
 
 from moecompile.errors import MoECompileError
+from moecompile.runtime import graphs
 
 WARMUP_STEPS = 2  # uncaptured runs of the step before capture: autotuning and allocations happen outside it
 # Dynamo keeps the compiled prefill and step of every Generator (one per model, batch size, length; prefill also per
@@ -149,26 +150,19 @@ class Generator:
     def decode(self, steps: int) -> None:
         """Run `steps` decode steps after prefill (the graph is captured on the first call)."""
         if not self.cuda_graph:
-            for _ in range(steps):
-                self._advance()
-            return
+            return self._uncaptured(steps)
         done = 0
         if self._graph is None:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                while done < min(WARMUP_STEPS, steps):
-                    self._advance()
-                    done += 1
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            if done == steps:
-                return
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):  # records the step without running it
-                self._advance()
-            self._graph = graph
+            if steps <= WARMUP_STEPS:
+                return self._uncaptured(steps)
+            self._graph, _ = graphs.capture(self._advance, warmup=WARMUP_STEPS)  # the warm-up runs are real steps
+            done = WARMUP_STEPS
         for _ in range(steps - done):
             self._graph.replay()
+
+    def _uncaptured(self, steps: int) -> None:
+        for _ in range(steps):
+            self._advance()
 
     def __call__(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from moecompile import MoEBlock, MoEConfig
 from moecompile.ir import ops
 from moecompile.kernels import reference as R
-from moecompile.runtime import choices
+from moecompile.runtime import choices, graphs
 from moecompile.runtime import cuda as C
 from moecompile.runtime import fp8 as RF
 
@@ -161,15 +161,8 @@ def test_block_forward_has_no_host_sync_and_captures_in_a_cuda_graph(capacity_fa
             block(x)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            block(x)  # warm-up on a side stream, as graph capture requires
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         static_x = x.clone()
-        with torch.cuda.graph(graph):
-            static_y = block(static_x)
+        graph, static_y = graphs.capture(lambda: block(static_x))
         graph.replay()
         torch.testing.assert_close(static_y, eager)
         static_x.copy_(torch.randn_like(x))
