@@ -76,3 +76,20 @@ def test_hf_generate_with_backend_reduce_overhead(family, batch):
     # HF runs the prompt eagerly: the first compiled step is the second, and it reads the same first token
     assert torch.equal(out.sequences[:, 7], eager.sequences[:, 7])
     assert _cos(out.logits[1], eager.logits[1]) > 0.999
+
+
+@pytest.mark.parametrize("tokens,takes_hf", [(1, True), (64, False)])
+def test_eager_experts_integration_takes_hf_grouped_mm_for_small_batches(monkeypatch, tokens, takes_hf):
+    from moecompile.runtime import choices
+
+    decisions = []
+    prefers = choices.eager_prefers_hf
+    monkeypatch.setattr(choices, "eager_prefers_hf", lambda *a: decisions.append(prefers(*a)) or decisions[-1])
+    model = _model("tiny-mixtral", torch.bfloat16)
+    ids = token_ids(batch=1, length=tokens).cuda()
+    with torch.no_grad():
+        expected = model(ids).logits
+        model.set_experts_implementation("moecompile")
+        got = model(ids).logits
+    assert decisions and all(d == takes_hf for d in decisions)
+    assert _cos(got, expected) > 0.999
