@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of one device call: install, the GPU tests, then the MoE-layer benchmark (peers in the same run).
 #   bash bench/gpu_check.sh tests [PATHS]  # pytest -m gpu (all of tests/ by default), log to $OUT/gpu-tests.log
-#   bash bench/gpu_check.sh layer          # bench/moe_layer.py --profile, table to $OUT/gpu-moe-layer.md
+#   bash bench/gpu_check.sh layer          # bench/moe_layer.py --profile [--vllm], table to $OUT/gpu-moe-layer.md
 #   bash bench/gpu_check.sh generate [ARGS] # bench/generate.py ARGS, table to $OUT/gpu-generate.md
 # On the device tool's H200 machine: its python3 has torch, triton and transformers; nothing is downloaded
 # (carry .whl/ with the wheels it lacks).
@@ -21,7 +21,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 case "$what" in
   tests) python3 -m pytest -q -m gpu "${@:-tests}" -p no:cacheprovider --durations=10 2>&1 | tee "$out/gpu-tests.log" ;;
-  layer) python3 bench/moe_layer.py --profile --out "$out/gpu-moe-layer.md" 2>&1 | tee "$out/gpu-moe-layer.log" ;;
+  layer)  # vLLM's fused_moe as a peer when its source was fetched here and carried (.peers/)
+    peer=$([ -f .peers/vllm/fused_moe.py ] && echo --vllm)
+    python3 bench/moe_layer.py --profile $peer --out "$out/gpu-moe-layer.md" 2>&1 | tee "$out/gpu-moe-layer.log" ;;
   generate) python3 bench/generate.py --out "$out/gpu-generate.md" "$@" 2>&1 | tee "$out/gpu-generate.log" ;;
   *) echo "usage: bench/gpu_check.sh tests [PATHS]|layer|generate [ARGS]" >&2; exit 2 ;;
 esac

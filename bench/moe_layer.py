@@ -123,7 +123,25 @@ def use_variant(mc, name):
     mc.FFN_IN, mc.FFN_OUT = VARIANTS[name]
 
 
-def run_shape(name, d, f, e, k, tokens, copy_bw, lines, train, profile=False):
+def vllm_peer(ours, x, k, lines, name, r):
+    """vLLM's fused_moe Triton GEMMs (bench/peers/vllm_fused_moe.py) on the same weights and routing, from CUDA
+    graphs: the two GEMMs alone, and the layer with vLLM's align / activation / sum done in torch."""
+    from peers import vllm_fused_moe as vllm
+
+    from moecompile.ir import ops
+
+    x2 = x.reshape(-1, x.shape[-1])
+    weights, ids = ops.route(x2.float() @ ours.router.weight.float().t(), k, 0.0, True)
+    peer = vllm.prepare(x2, ours.experts.w_in, ours.experts.w_out, weights.to(x.dtype), ids)
+    gemms, layer = bench(vllm.cuda_graph(peer.gemms)), bench(vllm.cuda_graph(peer.layer))
+    err = rel(peer.layer(), reference_fp32(ours, x, 0.0).reshape(x2.shape))
+    line = (f"| {name} | {gemms:.3f} | {layer:.3f} | {r['ours_graph']:.3f} | {gemms / r['ours_graph']:.2f} | "
+            f"{r['weight_read']:.3f} | {err:.1e} |")
+    lines.append(("vllm", line))
+    print(line, flush=True)
+
+
+def run_shape(name, d, f, e, k, tokens, copy_bw, lines, train, profile=False, vllm=False):
     ours, hf = build(d, f, e, k)
     x = torch.randn(1, tokens, d, device="cuda", dtype=torch.bfloat16)
     r = {"shape": name}
@@ -171,6 +189,10 @@ def run_shape(name, d, f, e, k, tokens, copy_bw, lines, train, profile=False):
         line += f" weight read {r['weight_read']:.3f} ms: ours/roofline {best_ours / r['weight_read']:.2f}"
     lines.append(line)
     print(line, flush=True)
+    if vllm:
+        use_variant(mc, best)
+        with torch.no_grad():
+            vllm_peer(ours, x, k, lines, name, r)
     if train:
         xg = x.clone().requires_grad_()
         grad = torch.randn_like(x)
@@ -238,21 +260,28 @@ def main(argv=None):
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--no-e2e", action="store_true")
     p.add_argument("--profile", action="store_true", help="print a kernel breakdown for two shapes")
+    p.add_argument("--vllm", action="store_true", help="vLLM's fused_moe GEMMs as a peer (bench/peers/"
+                   "vllm_fused_moe.py; fetched into .peers/ where there is network, else carried there)")
     a = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     import transformers
 
     start = time.time()
     copy_bw = copy_bandwidth()
+    if a.vllm:
+        from peers import vllm_fused_moe
+
+        vllm_fused_moe.fetch()
     lines = []
     for name in a.shapes.split(","):
         run_shape(name, *SHAPES[name], copy_bw, lines, train=name in TRAIN_SHAPES,
-                  profile=a.profile and name in ("gpt2-upcycled", "qwen3-moe"))
+                  profile=a.profile and name in ("gpt2-upcycled", "qwen3-moe"), vllm=a.vllm)
     if not a.no_e2e:
         gpt2_end_to_end(lines)
     fwd = [l for l in lines if isinstance(l, str)]
     train = [l[1] for l in lines if isinstance(l, tuple) and l[0] == "train"]
     e2e = [l[1] for l in lines if isinstance(l, tuple) and l[0] == "e2e"]
+    vllm_rows = [l[1] for l in lines if isinstance(l, tuple) and l[0] == "vllm"]
     text = [
         "# GPU MoE layer: moecompile vs HF transformers vs bare grouped GEMMs",
         "",
@@ -281,6 +310,13 @@ def main(argv=None):
                  "the first projection's output for the backward (experts_train), 'h recomputed' runs the "
                  "inference op, whose backward recomputes it:", "",
                  "| shape | ours | ours, h recomputed | HF grouped_mm | HF / ours |", "|---|---|---|---|---|", *train]
+    if vllm_rows:
+        text += ["", "vLLM 0.34.0's fused_moe Triton kernel (its tuned H200 configs) on the same weights and routing, "
+                 "ms from CUDA graphs: GEMMs = its two kernel launches alone; layer = with the token alignment, "
+                 "activation and sum over k in torch (vLLM runs those as its own CUDA ops). ours graph as above; "
+                 "weight read = the hit experts' weights at the copy bandwidth.", "",
+                 "| shape | vLLM GEMMs | vLLM layer | ours graph | vLLM GEMMs / ours | weight read | err vLLM |",
+                 "|---|---|---|---|---|---|---|", *vllm_rows]
     if e2e:
         text += ["", "GPT-2 end to end, forward, batch 32 × 512, bf16, tokens/s:", "", "| model | tokens/s |",
                  "|---|---|", *e2e]

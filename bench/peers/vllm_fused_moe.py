@@ -365,16 +365,9 @@ def fused_moe(x, w1, w2, topk_weights, topk_ids, config: dict | None = None, nai
 
 def cuda_graph(fn, warmup: int = 2):
     """Capture fn (e.g. FusedMoE.layer or .gemms) in a CUDA graph; returns the graph's replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    from moecompile.runtime import graphs
+
+    return graphs.capture(fn, warmup)[0].replay
 
 
 # ---------------------------------------------------------------------------------------------------------- check
