@@ -29,13 +29,15 @@ WARMUP_STEPS = 2  # uncaptured runs of the step before capture: autotuning and a
 RECOMPILE_LIMIT = 256
 
 
-def _static_cache(model, batch_size: int, max_length: int):
+def static_cache(model, max_length: int):
+    """HF's StaticCache for model, every layer full length: HF's sliding-window layers count tokens in a Python int,
+    a new graph per step under torch.compile (GPT-OSS hits the recompile limit), while the model's own masks keep
+    the window on a full-length layer. Also for HF's generate: `model.generate(ids, past_key_values=cache, ...)`."""
     from transformers import StaticCache
 
     config = model.config.get_text_config(decoder=True)
     layer_types = getattr(config, "layer_types", None) or ()
     if getattr(config, "sliding_window", None) is not None or "sliding_attention" in layer_types:
-        # HF's sliding layers count tokens in a Python int, a new graph per step under compile
         config = copy.copy(config)
         config.sliding_window = None
         config.layer_types = ["full_attention"] * config.num_hidden_layers
@@ -62,7 +64,7 @@ class Generator:
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         if self.cuda_graph and self.device.type != "cuda":
             raise MoECompileError("cuda_graph=True needs the model on a CUDA device")
-        self.cache = _static_cache(model, batch_size, max_length)
+        self.cache = static_cache(model, max_length)
         accepted = inspect.signature(model.forward).parameters
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
         long = dict(dtype=torch.long, device=self.device)

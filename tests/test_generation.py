@@ -6,7 +6,7 @@ import torch
 from hf_moe import FAMILIES, tiny_moe, token_ids
 
 from moecompile.errors import MoECompileError
-from moecompile.generation import Generator, _stop_at_eos, generate
+from moecompile.generation import Generator, _stop_at_eos, generate, static_cache
 
 NEW = 5
 NO_EOS = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -47,6 +47,14 @@ def test_hf_generate_with_moecompile_experts_matches_hf(family):
     expected = _hf_greedy(model, ids)
     model.set_experts_implementation("moecompile")
     assert torch.equal(_hf_greedy(model, ids), expected)
+
+
+def test_full_length_cache_in_hf_generate_keeps_the_sliding_window():
+    model = tiny_moe("tiny-gpt-oss")  # sliding window 16 < prompt + new tokens: the window matters
+    ids = token_ids(batch=2, length=14)
+    cache = static_cache(model, 14 + NEW)
+    assert not any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+    assert torch.equal(_hf_greedy(model, ids, past_key_values=cache), _hf_greedy(model, ids))
 
 
 def test_stop_at_eos_pads_like_hf():
