@@ -9,7 +9,9 @@ a W_out^T. Variants:
 - triton_tma:         the same with tensor-memory-accelerator loads, autotuned;
 - triton_persistent:  the TMA kernel as a persistent kernel (one program per SM), autotuned;
 then each tile config of the TMA kernels. The gated first projection loads gate and up rows in one interleaved TMA
-box and computes both with one dot.
+box and computes both with one dot. Decode shapes (`-tN`: N single tokens) compare grouped_mm, triton_tma and
+triton_decode (narrow tiles for few rows per expert) with each of its tile configs; weights GB/s = the hit experts'
+weight bytes over the time (the copy bandwidth is the ceiling).
 The winner per shape and projection goes into kernels/configs/expert_gemm.json (checked in the whole layer by
 bench/moe_layer.py).
 """
@@ -20,12 +22,20 @@ import torch
 from options_table import ms
 
 from moecompile.kernels import triton_moe
+from moecompile.runtime import choices
 
 SHAPES = {"gpt2-upcycled": (768, 3072, 16, 2, 16384), "mixtral": (4096, 14336, 8, 2, 4096),
           "qwen3-moe": (2048, 768, 128, 8, 8192), "deepseek-v3": (7168, 2048, 256, 8, 4096),
-          "olmoe": (2048, 1024, 64, 8, 8192), "qwen2-moe": (2048, 1408, 60, 4, 8192)}
+          "olmoe": (2048, 1024, 64, 8, 8192), "qwen2-moe": (2048, 1408, 60, 4, 8192),
+          # decode: a batch of single tokens
+          "mixtral-t1": (4096, 14336, 8, 2, 1), "mixtral-t16": (4096, 14336, 8, 2, 16),
+          "mixtral-t64": (4096, 14336, 8, 2, 64), "qwen3-moe-t1": (2048, 768, 128, 8, 1),
+          "qwen3-moe-t16": (2048, 768, 128, 8, 16), "qwen3-moe-t64": (2048, 768, 128, 8, 64),
+          "deepseek-v3-t1": (7168, 2048, 256, 8, 1), "deepseek-v3-t16": (7168, 2048, 256, 8, 16)}
 TRITON = ("triton", "triton_tma", "triton_persistent")
-CONFIGS = {"triton_tma": triton_moe._ffn_in_tma_configs, "triton_persistent": triton_moe._ffn_in_persistent_configs}
+CONFIGS = {"triton_tma": triton_moe._ffn_in_tma_configs, "triton_persistent": triton_moe._ffn_in_persistent_configs,
+           "triton_decode": triton_moe._ffn_in_decode_configs}
+DECODE_VARIANTS = ("triton_tma", "triton_decode")  # and each triton_decode config: the decode shapes' candidates
 
 
 def run(name, d, f, e, k, tokens, lines):
@@ -42,9 +52,14 @@ def run(name, d, f, e, k, tokens, lines):
                   lambda v, c=None: triton_moe.grouped_ffn_in(rows, offsets, w_in, None, "silu", True, c, v)),
         "second": (2 * n * f * d, lambda: torch._grouped_mm(a, w_out.transpose(-2, -1), offs=offsets),
                    lambda v, c=None: triton_moe.grouped_ffn_in(a, offsets, w_out, None, None, False, c, v))}
+    decode = not choices.is_batch(n, e)
+    hit = int((torch.diff(offsets, prepend=offsets.new_zeros(1)) > 0).sum())
+    weight_bytes = {"first": hit * 2 * f * d * 2, "second": hit * d * f * 2}  # bf16 weights of the hit experts
     for projection, (flops, grouped_mm, triton_fn) in projections.items():
-        variants = [("grouped_mm", grouped_mm)] + [(v, lambda v=v: triton_fn(v)) for v in TRITON]
-        configs = [(v, cfg) for v in ("triton_tma", "triton_persistent") for cfg in CONFIGS[v]()]
+        variants = [("grouped_mm", grouped_mm)]
+        variants += [(v, lambda v=v: triton_fn(v)) for v in (DECODE_VARIANTS if decode else TRITON)]
+        configs = [(v, cfg) for v in (("triton_decode",) if decode else ("triton_tma", "triton_persistent"))
+                   for cfg in CONFIGS[v]()]
         for variant, cfg in configs:
             c = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
             label = variant + " BM{BLOCK_M} BN{BLOCK_N} BK{BLOCK_K} w{num_warps} s{num_stages}".format(**c)
@@ -55,17 +70,18 @@ def run(name, d, f, e, k, tokens, lines):
                 err = ((fn()[:n].float() - ref).norm() / ref.norm()).item()
                 t = ms(fn)
                 base = base or t
-                lines.append(f"| {name} | {projection} | {label} | {t:.3f} | {flops / t / 1e9:.0f} | {base / t:.2f} "
-                             f"| {err:.1e} |")
+                lines.append(f"| {name} | {projection} | {label} | {t:.3f} | {flops / t / 1e9:.0f} | "
+                             f"{weight_bytes[projection] / t / 1e6:.0f} | {base / t:.2f} | {err:.1e} |")
             except Exception as ex:
-                lines.append(f"| {name} | {projection} | {label} | failed: {str(ex).splitlines()[0][:70]} | | | |")
+                lines.append(f"| {name} | {projection} | {label} | failed: {str(ex).splitlines()[0][:70]} | | | | |")
             print(lines[-1], flush=True)
 
 
 def main(argv=None):
     return options_table.main(
         __doc__, "expert_gemms.py", "Expert GEMMs, each projection: kernel options (moecompile)",
-        "| shape | projection | variant | ms | TF/s | speedup vs grouped_mm | err vs grouped_mm |", SHAPES, run, argv)
+        "| shape | projection | variant | ms | TF/s | weights GB/s | speedup vs grouped_mm | err vs grouped_mm |",
+        SHAPES, run, argv)
 
 
 if __name__ == "__main__":

@@ -333,6 +333,21 @@ _grouped_ffn_in_tuned = triton.autotune(configs=_ffn_in_configs(),
     _grouped_ffn_in_kernel)
 
 
+def _ffn_in_decode_configs():
+    """Few rows per expert (decode): one narrow M tile per hit expert, narrow N tiles so that the weight read spreads
+    over every SM in many programs, long K steps; GROUP_M 1 lets the grid cover only tiles that can hold a row."""
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1}, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in ((16, 16, 256, 2, 4), (16, 16, 128, 2, 6), (16, 32, 256, 4, 4),
+                                     (16, 32, 128, 2, 5), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3),
+                                     (32, 32, 128, 4, 4), (32, 64, 128, 4, 4), (16, 16, 512, 4, 3),
+                                     (16, 32, 512, 4, 3))]
+
+
+_grouped_ffn_in_decode_tuned = triton.autotune(configs=_ffn_in_decode_configs(),
+                                               key=["rows_bucket", "hidden", "width", "num_experts", "GATED"])(
+    _grouped_ffn_in_kernel)
+
+
 def _ffn_in_tma_configs():
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
             for bm, bn, bk, w, s in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4),
@@ -457,9 +472,14 @@ def tma_supported(x: torch.Tensor, w_in: torch.Tensor) -> bool:
 
 # The grouped GEMM kernels by name: (fixed-tile kernel, autotuned kernel, persistent, needs TMA).
 GROUPED_GEMMS = {"triton": (_grouped_ffn_in_kernel, _grouped_ffn_in_tuned, False, False),
+                 "triton_decode": (_grouped_ffn_in_kernel, _grouped_ffn_in_decode_tuned, False, False),
                  "triton_tma": (_grouped_ffn_in_tma_kernel, _grouped_ffn_in_tma_tuned, False, True),
                  "triton_persistent": (_grouped_ffn_in_persistent_kernel, _grouped_ffn_in_persistent_tuned, True,
                                        True)}
+
+
+def needs_tma(variant: str) -> bool:
+    return variant in GROUPED_GEMMS and GROUPED_GEMMS[variant][3]
 
 
 def _num_sms(device: torch.device) -> int:
@@ -487,7 +507,10 @@ def grouped_ffn_in(x: torch.Tensor, offsets: torch.Tensor, w_in: torch.Tensor, b
     def grid(meta):
         if persistent:
             return (meta["NUM_SMS"],)
-        return ((triton.cdiv(n_rows, meta["BLOCK_M"]) + num_experts) * triton.cdiv(width, meta["BLOCK_N"]),)
+        tiles_m = triton.cdiv(n_rows, meta["BLOCK_M"]) + num_experts
+        if meta["GROUP_M"] == 1:  # the tile order does not depend on the M extent: only tiles that can hold a row
+            tiles_m = min(tiles_m, n_rows)
+        return (tiles_m * triton.cdiv(width, meta["BLOCK_N"]),)
 
     if tma:
         triton.set_allocator(_tma_scratch)  # descriptors built on the device need a little global scratch

@@ -12,6 +12,9 @@ import triton.language as tl
 SCORING_IDS = {"softmax": 0, "sigmoid": 1}
 MAX_EXPERTS = 1024  # one token's scores live in registers
 _RANK_TILE = 16384  # assignments x bins per program of the rank kernel (one-hot cumsum in registers)
+# Up to this many assignments (decode) one kernel sorts and copies: each program compares its assignments with all
+# of them (quadratic, but one launch instead of the counting sort's several).
+SMALL_DISPATCH = 1024
 
 
 @triton.jit
@@ -106,6 +109,34 @@ def _scatter_rows_kernel(x_ptr, ids_ptr, rank_ptr, base_ptr, order_ptr, rows_ptr
         tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=m), mask=m)
 
 
+@triton.jit
+def _small_dispatch_kernel(x_ptr, ids_ptr, order_ptr, rows_ptr, offsets_ptr, n, num_experts, hidden: tl.constexpr,
+                           TOP_K: tl.constexpr, BLOCK_A: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The whole dispatch of few assignments in one launch. Program p places assignments [p*BLOCK_A, +BLOCK_A):
+    position = assignments to lower experts + earlier ones to the same expert; and writes offsets[e] (assignments
+    to experts <= e) for e in the same range."""
+    a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
+    amask = a < n
+    e = tl.load(ids_ptr + a, mask=amask, other=0).to(tl.int32)
+    experts = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
+    pos = tl.zeros((BLOCK_A,), dtype=tl.int32)
+    ends = tl.zeros((BLOCK_A,), dtype=tl.int32)
+    for j0 in range(0, n, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        ej = tl.load(ids_ptr + j, mask=j < n, other=2147483647).to(tl.int32)[None, :]
+        earlier = (ej == e[:, None]) & (j[None, :] < a[:, None])
+        pos += tl.sum(((ej < e[:, None]) | earlier).to(tl.int32), axis=1)
+        ends += tl.sum((ej <= experts[:, None]).to(tl.int32), axis=1)
+    tl.store(offsets_ptr + experts, ends, mask=experts < num_experts)
+    tl.store(order_ptr + pos, a.to(tl.int64), mask=amask)
+    src = x_ptr + (a // TOP_K).to(tl.int64)[:, None] * hidden
+    dst = rows_ptr + pos.to(tl.int64)[:, None] * hidden
+    for h0 in range(0, hidden, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        m = amask[:, None] & (cols < hidden)[None, :]
+        tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=m), mask=m)
+
+
 def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
     """(sorted rows [T*k, H], order [T*k] int64, offsets [E] int32) as kernels/reference.py's dispatch."""
     tokens, top_k = expert_ids.shape
@@ -114,11 +145,20 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
     order = torch.empty(n, dtype=torch.int64, device=hidden.device)
     if n == 0:
         return rows, order, torch.zeros(num_experts, dtype=torch.int32, device=hidden.device)
+    block_h = 512 if hidden.element_size() == 1 else 256  # FP8 rows (FP8 dispatch): 512 bytes a copy, as bf16
+    block_h = min(block_h, triton.next_power_of_2(width))
+    ids = expert_ids.reshape(-1).contiguous()
+    if n <= SMALL_DISPATCH:
+        offsets = torch.empty(num_experts, dtype=torch.int32, device=hidden.device)
+        block_a = 16
+        _small_dispatch_kernel[(triton.cdiv(max(n, num_experts), block_a),)](
+            hidden.contiguous(), ids, order, rows, offsets, n, num_experts, hidden=width, TOP_K=top_k,
+            BLOCK_A=block_a, CHUNK=min(128, max(16, triton.next_power_of_2(n))), BLOCK_H=block_h)
+        return rows, order, offsets
     num_bins = num_experts + 1  # the last bin: dropped assignments (id E), sorted after every group
     b_pad = triton.next_power_of_2(num_bins)
     rank_block = max(1, _RANK_TILE // b_pad)
     blocks = triton.cdiv(n, rank_block)
-    ids = expert_ids.reshape(-1).contiguous()
     rank = torch.empty(n, dtype=torch.int32, device=hidden.device)
     counts = torch.empty(num_bins, blocks, dtype=torch.int32, device=hidden.device)
     _rank_kernel[(blocks,)](ids, rank, counts, n, num_bins, BLOCK=rank_block, B_PAD=b_pad)
@@ -129,8 +169,7 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
     # base[e, b]: where expert e's group starts + the assignments to e in the blocks before b
     base = running - counts + (ends - totals).unsqueeze(1)
     block_a = 32
-    block_h = 512 if hidden.element_size() == 1 else 256  # FP8 rows (FP8 dispatch): 512 bytes a copy, as bf16
     _scatter_rows_kernel[(triton.cdiv(n, block_a),)](
         hidden.contiguous(), ids, rank, base, order, rows, n, blocks, hidden=width, TOP_K=top_k,
-        RANK_BLOCK=rank_block, BLOCK_A=block_a, BLOCK_H=min(block_h, triton.next_power_of_2(width)))
+        RANK_BLOCK=rank_block, BLOCK_A=block_a, BLOCK_H=block_h)
     return rows, order, ends[:num_experts].contiguous()

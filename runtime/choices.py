@@ -4,8 +4,10 @@ machine.
 
 Expert GEMM kernels, per projection: "triton" / "triton_tma" = a Triton grouped GEMM with bias (+ activation, first
 projection) in its epilogue, operands loaded by pointers / by TMA (Hopper); "triton_persistent" = the TMA one as a
-persistent kernel (one program per SM, epilogue overlapped with the next tile); "grouped_mm" = torch._grouped_mm
-(CUTLASS), after the first projection a one-pass Triton activation. "auto" takes the tuned choice.
+persistent kernel (one program per SM, epilogue overlapped with the next tile); "triton_decode" = the pointer kernel
+with tiles for few rows per expert (narrow M and N, long K: the hit experts' weights read once by many programs);
+"grouped_mm" = torch._grouped_mm (CUTLASS), after the first projection a one-pass Triton activation. "auto" takes the
+tuned choice.
 
 FP8 expert GEMMs: "rowwise" = per-row activation and per-channel weight scales applied after the K loop (weights
 converted from their 128x128 blocks once), faster for batches for a second rounding of weights and activations;
@@ -21,7 +23,7 @@ from importlib import resources
 
 from moecompile import settings
 
-FFN_IN = settings.ffn_in()  # auto | grouped_mm | triton | triton_tma | triton_persistent
+FFN_IN = settings.ffn_in()  # auto | grouped_mm | triton | triton_decode | triton_tma | triton_persistent
 FFN_OUT = settings.ffn_out()
 FP8_GEMM = settings.fp8_gemm()  # auto | rowwise | block
 FP8_BLOCK_KERNEL = settings.fp8_block_kernel()  # auto | cutlass | gluon | triton

@@ -52,7 +52,7 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
 def _projection_kernels(x, w_in, w_out) -> tuple[str, str]:
     first, second = choices.expert_gemm_kernels(x.shape[0], x.shape[1], w_out.shape[2], w_out.shape[0])
     if not triton_moe.tma_supported(x, w_in):  # unaligned rows: the pointer-load kernel
-        first, second = ("triton" if v.startswith("triton") else v for v in (first, second))
+        first, second = ("triton" if triton_moe.needs_tma(v) else v for v in (first, second))
     return first, second
 
 

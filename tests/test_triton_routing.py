@@ -32,6 +32,14 @@ def test_topk_all_tokens_to_one_expert():
     assert (ids[:, 0] == 3).all()
 
 
+@pytest.fixture(params=["one-launch", "counting-sort"])
+def dispatch_path(request, monkeypatch):
+    """Both dispatch paths on the same inputs: the one-launch kernel of few assignments and the counting sort."""
+    if request.param == "counting-sort":
+        monkeypatch.setattr(TR, "SMALL_DISPATCH", 0)
+    return request.param
+
+
 def _check_dispatch(x, ids, experts):
     got, want = TR.dispatch(x, ids, experts), R.dispatch(x, ids, experts)
     bits = (lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)  # (no torch.equal for FP8)
@@ -39,22 +47,23 @@ def _check_dispatch(x, ids, experts):
         assert g.dtype == w.dtype and torch.equal(bits(g), bits(w)), name
 
 
-@pytest.mark.parametrize("tokens,experts,top_k", [(37, 8, 2), (60, 128, 8), (9, 6, 6), (13, 5, 1)])
-def test_dispatch_matches_reference(tokens, experts, top_k):
+@pytest.mark.parametrize("tokens,experts,top_k", [(37, 8, 2), (60, 128, 8), (9, 6, 6), (13, 5, 1), (1, 8, 2),
+                                                  (1, 128, 8)])
+def test_dispatch_matches_reference(tokens, experts, top_k, dispatch_path):
     gen = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     ids[::4, -1] = experts  # dropped by capacity: sorted after every group
     _check_dispatch(torch.randn(tokens, 24, generator=gen), ids, experts)  # 60 x 8 rows: several rank blocks
 
 
-def test_dispatch_moves_fp8_rows():
+def test_dispatch_moves_fp8_rows(dispatch_path):
     """FP8 dispatch (quantised tokens, moecompile.ir.fp8): the rows keep their bits; odd width, several copy blocks."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(21)])
     _check_dispatch((torch.randn(21, 1100, generator=gen) * 50).to(torch.float8_e4m3fn), ids, 16)
 
 
-def test_dispatch_edge_cases():
+def test_dispatch_edge_cases(dispatch_path):
     x = torch.randn(11, 20)
     _check_dispatch(x, torch.full((11, 2), 1), 4)  # everything to one expert, the others empty
     ids = torch.tensor([[0, 1, 2]] * 11)  # k = E
