@@ -67,12 +67,13 @@ def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: st
     if tokens == 0:
         return weights, ids
     e_pad = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(64, 4096 // e_pad))
+    block_t = max(1, min(64, 4096 // e_pad, triton.next_power_of_2(tokens)))
     logits = router_logits.contiguous()
     _topk_kernel[(triton.cdiv(tokens, block_t),)](
         logits, correction_bias if correction_bias is not None else logits, weights, ids, tokens, num_experts,
         float(scaling_factor), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
-        SCORING=SCORING_IDS[scoring], HAS_BIAS=correction_bias is not None, RENORM=renormalize)
+        SCORING=SCORING_IDS[scoring], HAS_BIAS=correction_bias is not None, RENORM=renormalize,
+        num_warps=max(1, min(4, block_t * e_pad // 256)))  # decode: one warp's shuffles for its k reductions
     return weights, ids
 
 

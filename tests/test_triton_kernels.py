@@ -133,9 +133,9 @@ def test_cuda_kernel_choice_follows_the_measurements(monkeypatch):
     kernels = C.expert_gemm_kernels
     assert kernels(32768, 7168, 2048, 256) == ("triton_persistent", "triton_persistent")  # DeepSeek-V3, batch
     assert kernels(8192, 4096, 14336, 8) == ("triton_persistent", "triton_persistent")  # Mixtral, batch
-    assert kernels(128, 4096, 14336, 8) == ("triton_tma", "triton_tma")  # Mixtral, decode
+    assert kernels(128, 4096, 14336, 8) == ("triton_decode", "triton_decode")  # Mixtral, decode
     assert kernels(65536, 2048, 1408, 60) == ("triton_persistent", "triton_persistent")  # Qwen2-MoE, batch
     assert kernels(4096, 1000, 500, 8) == ("triton_persistent", "triton_persistent")  # unmeasured, batch
-    assert kernels(64, 1000, 500, 8) == ("grouped_mm", "grouped_mm")  # unmeasured, decode
+    assert kernels(64, 1000, 500, 8) == ("triton_decode", "triton_decode")  # unmeasured, decode
     monkeypatch.setattr(C, "FFN_OUT", "triton")
-    assert kernels(64, 1000, 500, 8) == ("grouped_mm", "triton")  # an explicit choice wins
+    assert kernels(64, 1000, 500, 8) == ("triton_decode", "triton")  # an explicit choice wins
