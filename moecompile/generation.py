@@ -67,6 +67,7 @@ class Generator:
         self.cache = static_cache(model, max_length)
         accepted = inspect.signature(model.forward).parameters
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
+        self._cache_arg = "cache" if "cache" in accepted else "past_key_values"  # transformers renamed it
         long = dict(dtype=torch.long, device=self.device)
         self.tokens = torch.zeros(batch_size, 1, **long)  # the token each step reads
         self.positions = torch.zeros(batch_size, 1, **long)  # its position in each row
@@ -103,7 +104,7 @@ class Generator:
     def _forward(self, input_ids, position_ids, attention_mask):
         """(greedy next token [batch, 1], the last position's logits)"""
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                         past_key_values=self.cache, use_cache=True, **self._extra)
+                         use_cache=True, **{self._cache_arg: self.cache}, **self._extra)
         logits = out.logits[:, -1]
         return logits.argmax(-1, keepdim=True), logits
 

@@ -193,8 +193,10 @@ def test_activation_quantize_matches_reference(activation, gated, bias):
     torch.testing.assert_close(s[:kept], want_s, rtol=1e-5, atol=0)
     # the same e4m3 codes but for values within an ulp of a rounding boundary (activations computed in another order)
     assert (q[:kept].float() != want_q.float()).float().mean() < 1e-3
-    torch.testing.assert_close(_row_dequantize(q[:kept], s[:kept]), _row_dequantize(want_q, want_s),
-                               rtol=0.13, atol=0)  # and those one step (at most 2^-3 relative) apart
+    got, want = _row_dequantize(q[:kept], s[:kept]), _row_dequantize(want_q, want_s)
+    # and those one step apart: 2^-3 relative for normal codes, one subnormal step (2^-9 of the group scale) near 0
+    step = torch.maximum(want.abs() / 8, 2.0 ** -9 * want_s.repeat_interleave(128, dim=1))
+    assert ((got - want).abs() <= step * (1 + 1e-5)).all()
 
 
 def test_block_batches_try_cutlass_first_and_fall_back_once(monkeypatch, caplog):
