@@ -354,3 +354,37 @@ def test_cli_format_choices(sources, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("moecompile: error: --format hf: ") and "\n" not in err
     assert not bad.exists()
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.01])
+def test_streaming_equals_in_memory_upcycle(sources, tmp_path, noise):
+    """The streaming native path writes bit for bit the tensors that moeize builds in memory from the same model and
+    seed: expert copies (and their noise), routers, everything else."""
+    from moecompile.conversion.moeize import moeize
+
+    src = sources["llama"]
+    upcycle_native(src, tmp_path / "moe", experts=4, top_k=2, seed=3, noise=noise, progress=False)
+    streamed = load_file(tmp_path / "moe" / "model.safetensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    moeize(model, experts=4, top_k=2, capacity_factor=0, seed=3, noise=noise, progress=False)
+    state = model.state_dict()
+    expected = {}
+    for layer in range(2):
+        mine, ours = f"model.layers.{layer}.block_sparse_moe", f"model.layers.{layer}.mlp"
+        w_in, w_out = state[f"{ours}.experts.w_in"], state[f"{ours}.experts.w_out"]
+        expected[f"{mine}.gate.weight"] = state[f"{ours}.router.weight"]
+        for e in range(4):
+            gate, up = w_in[e].chunk(2)
+            expected.update({f"{mine}.experts.{e}.w1.weight": gate, f"{mine}.experts.{e}.w3.weight": up,
+                             f"{mine}.experts.{e}.w2.weight": w_out[e]})
+    expected.update({k: v for k, v in state.items() if ".mlp." not in k})
+    assert set(streamed) == set(expected)
+    assert [k for k in streamed if not torch.equal(streamed[k], expected[k])] == []
+    if noise:  # the noise is there, and the same in both
+        assert not torch.equal(streamed["model.layers.0.block_sparse_moe.experts.0.w1.weight"],
+                               streamed["model.layers.0.block_sparse_moe.experts.1.w1.weight"])
+    native_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe").eval()
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, want = native_model(ids).logits, model(ids).logits
+    assert want.std() > 0.1 and (got - want).abs().max() < 1e-5  # other kernels, same function

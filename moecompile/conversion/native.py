@@ -33,6 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from moecompile.conversion.moeize import ROUTER_STD, parse_layers, upcycle_copy, upcycle_router
 from moecompile.errors import MoECompileError
 from moecompile.io.checkpoint import (
     DEFAULT_SHARD_SIZE,
@@ -186,8 +187,6 @@ def native_target(config, layers=None) -> str | None:
 
 
 def _select_layers(layers, n: int) -> list[int]:
-    from moecompile.conversion.moeize import parse_layers
-
     selected = parse_layers(layers, n)
     if not selected:
         raise MoECompileError(f"no layers selected by {layers!r}: nothing to upcycle")
@@ -355,12 +354,7 @@ class _Reader:
 
     def __call__(self, t: _Tensor) -> torch.Tensor:
         if self.noise > 0 and t.noise_key is not None:
-            base = self._read(t)
-            # seeded by (seed, layer, projection, expert): reproducible, and independent of the writing order
-            layer, proj, expert = t.noise_key
-            g = torch.Generator().manual_seed(((self.seed * 1_000_003 + layer) * 3 + proj) * 4099 + expert + 1)
-            w = base.float()
-            return (w + torch.randn(w.shape, generator=g) * (self.noise * w.std())).to(base.dtype)
+            return upcycle_copy(self._read(t), self.seed, *t.noise_key, self.noise)
         return self._read(t)
 
     def _read(self, t: _Tensor) -> torch.Tensor:
@@ -369,9 +363,7 @@ class _Reader:
             return self.last[1]
         self.last = None  # free the previous tensor before reading the next one
         if t.router_layer is not None:
-            # one generator per layer: a router depends on (seed, layer) only, not on the other layers chosen
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + t.router_layer)
-            value = (torch.randn(t.shape, generator=g, dtype=torch.float32) * self.router_std).to(ST_DTYPES[t.dtype])
+            value = upcycle_router(self.seed, t.router_layer, *t.shape, self.router_std).to(ST_DTYPES[t.dtype])
         else:
             path = self.tensors[t.source][0]
             try:
@@ -410,8 +402,8 @@ def _write_shard(path: Path, entries: list[_Tensor], read: _Reader, bar) -> None
 
 def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: int, top_k: int = 2, layers=None,
                    seed: int = 0, dtype: str | torch.dtype | None = None,
-                   max_shard_size: str | int = DEFAULT_SHARD_SIZE, router_std: float = 0.02, noise: float = 0.0,
-                   progress: bool = True, record: dict | None = None) -> NativeResult:
+                   max_shard_size: str | int = DEFAULT_SHARD_SIZE, router_std: float = ROUTER_STD,
+                   noise: float = 0.0, progress: bool = True, record: dict | None = None) -> NativeResult:
     """Upcycle the dense HF checkpoint folder `source` into `out` in its native HF MoE architecture (see
     native_support), streaming: every expert a copy of the dense FFN, routers normal(0, router_std) drawn from
     `seed`. `noise` > 0 adds normal noise of noise * std(W) to each expert copy of W (as moeize's upcycle does:
@@ -458,7 +450,7 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
         write_config(tmp, config)
         copy_tokenizer(source, tmp)
         (tmp / "README.md").write_text(_model_card(source, family.target, experts, top_k, selected, seed, noise,
-                                                   record or {}))
+                                                   router_std, record or {}))
         for extra in EXTRA_FILES:
             if (source / extra).is_file():
                 shutil.copy2(source / extra, tmp / extra)
@@ -472,14 +464,15 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
 
 
 def _model_card(source: Path, target: str, experts: int, top_k: int, selected: list[int], seed: int, noise: float,
-                record: dict) -> str:
+                router_std: float, record: dict) -> str:
     exact = ("every expert a copy of the dense FFN and the top-k weights renormalised, so the model equals the dense "
              "one exactly while no token is dropped (transformers runs it dropless)" if not noise else
              f"every expert a copy of the dense FFN plus normal noise of {noise} x std(W): close to the dense model, "
              "not equal")
     lines = [f"# {target} upcycled from {record.get('source', source.name)}", "",
              f"Made with moecompile: each FFN of layers {_ranges(selected)} became a {target} sparse block of "
-             f"{experts} experts, top-{top_k}, softmax routing (routers drawn from normal(0, 0.02), seed {seed}); "
+             f"{experts} experts, top-{top_k}, softmax routing (routers drawn from normal(0, {router_std}), "
+             f"seed {seed}); "
              f"{exact}.", ""]
     if "capacity_factor" in record:
         lines += [f"Capacity factor chosen at conversion: {record['capacity_factor']} (config.json `moecompile`; "
