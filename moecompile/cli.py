@@ -38,8 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default=None, help="output folder (default ./<model>-moe<experts>)")
     c.add_argument("--format", choices=knobs.FORMATS, default="auto",
                    help="auto (default): the family's native Hugging Face MoE architecture where one expresses the "
-                        "conversion (LLaMA/Mistral -> Mixtral, Qwen3 -> Qwen3-MoE), else moecompile's; hf: native or "
-                        "an error; moecompile: always moecompile's format")
+                        "conversion (LLaMA/Mistral -> Mixtral, Qwen2/Qwen3 -> Qwen2-/Qwen3-MoE), else moecompile's; "
+                        "hf: native or an error; moecompile: always moecompile's format")
     c.add_argument("--dtype", choices=sorted(knobs.DTYPES), default=None, help="save weights in this dtype")
     c.add_argument("--random-init", action="store_true", help="build the model from its config with random weights")
     c.add_argument("--noise", type=float, default=0.0, help="upcycle: relative noise added to each expert copy")

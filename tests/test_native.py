@@ -27,6 +27,9 @@ SOURCES = {
     "llama": lambda: transformers.LlamaConfig(**TINY),
     "mistral": lambda: transformers.MistralConfig(sliding_window=4, **TINY),  # window shorter than the probe
     "qwen3": lambda: transformers.Qwen3Config(head_dim=8, tie_word_embeddings=True, **TINY),  # head_dim != 32/2
+    # q/k/v biases; layer 0 full attention, layer 1 a window shorter than the probe
+    "qwen2": lambda: transformers.Qwen2Config(tie_word_embeddings=True, use_sliding_window=True, sliding_window=4,
+                                              max_window_layers=1, **TINY),
 }
 
 # run by a fresh interpreter: plain transformers, no moecompile
@@ -56,6 +59,10 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     for name, make in SOURCES.items():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(make())
+        with torch.no_grad():  # HF initialises biases to zero: random ones show a bias lost on the way
+            for p_name, p in model.named_parameters():
+                if p_name.endswith(".bias"):
+                    p.normal_(0, 0.5)
         model.save_pretrained(root / name)
         (root / name / "tokenizer_config.json").write_text("{}")  # copied along
         out[name] = root / name
@@ -78,6 +85,7 @@ def converted(sources, tmp_path_factory) -> dict[str, tuple[Path, Path, native.N
     runs["qwen3-layer1"] = ("qwen3", {"layers": "1"})
     runs["mistral-bf16"] = ("mistral", {"dtype": "bf16"})
     runs["llama-v4"] = ("llama-v4", {})
+    runs["qwen2-layer0"] = ("qwen2", {"layers": "0"})
     done = {}
     for name, (src, kw) in runs.items():
         result = upcycle_native(sources[src], root / name, experts=4, top_k=2, seed=1, progress=False, **kw)
@@ -102,7 +110,8 @@ def test_fresh_transformers_never_imports_moecompile(loaded):
 @pytest.mark.parametrize("name, cls", [("llama", "MixtralForCausalLM"), ("mistral", "MixtralForCausalLM"),
                                        ("qwen3", "Qwen3MoeForCausalLM"), ("llama-sharded", "MixtralForCausalLM"),
                                        ("qwen3-layer1", "Qwen3MoeForCausalLM"),
-                                       ("llama-v4", "MixtralForCausalLM")])
+                                       ("llama-v4", "MixtralForCausalLM"), ("qwen2", "Qwen2MoeForCausalLM"),
+                                       ("qwen2-layer0", "Qwen2MoeForCausalLM")])
 def test_native_model_loads_and_equals_dense(converted, loaded, name, cls):
     r = loaded[str(converted[name][1])]
     assert r["class"] == cls
@@ -388,3 +397,32 @@ def test_streaming_equals_in_memory_upcycle(sources, tmp_path, noise):
     with torch.no_grad():
         got, want = native_model(ids).logits, model(ids).logits
     assert want.std() > 0.1 and (got - want).abs().max() < 1e-5  # other kernels, same function
+
+
+def test_qwen2_moe_config_and_empty_shared_expert(sources, converted):
+    src, out, _ = converted["qwen2-layer0"]
+    config = json.loads((out / "config.json").read_text())
+    dense = json.loads((src / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2MoeForCausalLM"] and config["model_type"] == "qwen2_moe"
+    assert config["shared_expert_intermediate_size"] == 0 and config["norm_topk_prob"] is True
+    assert config["mlp_only_layers"] == [1] and config["moe_intermediate_size"] == 48 and config["qkv_bias"]
+    assert config["layer_types"] == dense["layer_types"] == ["full_attention", "sliding_attention"]
+    tensors = load_file(out / "model.safetensors")
+    assert tensors["model.layers.0.mlp.shared_expert.gate_proj.weight"].shape == (0, 32)
+    assert tensors["model.layers.0.mlp.shared_expert.down_proj.weight"].shape == (32, 0)
+    assert not tensors["model.layers.0.mlp.shared_expert_gate.weight"].any()
+    assert "model.layers.1.mlp.gate_proj.weight" in tensors and "README.md" in {p.name for p in out.iterdir()}
+    assert "shared expert is empty" in (out / "README.md").read_text()
+
+
+def test_moecompile_load_reads_qwen2_moe(converted):
+    import moecompile
+
+    src, out, _ = converted["qwen2"]
+    model = moecompile.load(out)
+    dense = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = dense(ids).logits
+        assert type(model).__name__ == "Qwen2MoeForCausalLM" and want.std() > 0.1
+        assert (model(ids).logits - want).abs().max() < 1e-5

@@ -1,6 +1,7 @@
 """Streaming upcycle of a dense Hugging Face checkpoint folder into its family's native HF MoE architecture.
 
     LlamaForCausalLM, MistralForCausalLM -> MixtralForCausalLM      (every layer MoE)
+    Qwen2ForCausalLM                     -> Qwen2MoeForCausalLM     (layers left dense go to mlp_only_layers)
     Qwen3ForCausalLM                     -> Qwen3MoeForCausalLM     (layers left dense go to mlp_only_layers)
 
 The model is never materialised: the source safetensors headers give every output tensor's name, shape and dtype
@@ -12,9 +13,11 @@ Tensors use the layout Hugging Face publishes and `save_pretrained` writes (Mixt
 `block_sparse_moe.experts.{e}.w1/w2/w3` and `block_sparse_moe.gate`; Qwen3-MoE: `mlp.experts.{e}.gate_proj/...`
 and `mlp.gate`), which transformers 5 fuses on load and transformers 4, vLLM and llama.cpp read as they are.
 
-Upcycle: every expert is a copy of the dense FFN and the router a small random matrix. Both native blocks renormalise
-the top-k weights to sum to one (Mixtral always, Qwen3-MoE with norm_topk_prob=True) and drop no token, so the
-converted model computes the dense model's function exactly (up to rounding) until it is trained.
+Upcycle: every expert is a copy of the dense FFN and the router a small random matrix. The native blocks renormalise
+the top-k weights to sum to one (Mixtral always, Qwen2/3-MoE with norm_topk_prob=True) and drop no token, so the
+converted model computes the dense model's function exactly (up to rounding) until it is trained. Qwen2-MoE adds a
+shared expert scaled by sigmoid(shared_expert_gate(x)) > 0: it is written empty (shared_expert_intermediate_size 0,
+zero-size tensors), so it adds exactly 0 and costs nothing; a zero shared expert of any size would cost a dense FFN.
 
     python -m moecompile.conversion.native SOURCE OUT --experts 8 [--top-k 2] [--dtype bf16] [--max-shard-size 5GB]
 """
@@ -37,6 +40,7 @@ from moecompile.conversion.moeize import ROUTER_STD, parse_layers, upcycle_copy,
 from moecompile.errors import MoECompileError
 from moecompile.io.checkpoint import (
     DEFAULT_SHARD_SIZE,
+    NATIVE_RECORD,
     WEIGHTS,
     WEIGHTS_INDEX,
     atomic_directory,
@@ -68,14 +72,19 @@ class Family:
     expert_names: dict  # dense projection -> the expert's projection name
     experts_key: str  # config key of the expert count
     per_layer_dense: bool  # can some layers keep their dense FFN?
+    shared_expert: bool = False  # Qwen2-MoE's sigmoid-gated shared expert, written empty
 
 
 MIXTRAL = Family("MixtralForCausalLM", "MixtralConfig", "block_sparse_moe",
                  {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}, "num_local_experts", False)
+QWEN2_MOE = Family("Qwen2MoeForCausalLM", "Qwen2MoeConfig", "mlp",
+                   {p: p for p in FFN_PROJS}, "num_experts", True, shared_expert=True)
 QWEN3_MOE = Family("Qwen3MoeForCausalLM", "Qwen3MoeConfig", "mlp",
                    {p: p for p in FFN_PROJS}, "num_experts", True)
-FAMILIES = {"LlamaForCausalLM": MIXTRAL, "MistralForCausalLM": MIXTRAL, "Qwen3ForCausalLM": QWEN3_MOE}
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FAMILIES = {"LlamaForCausalLM": MIXTRAL, "MistralForCausalLM": MIXTRAL, "Qwen2ForCausalLM": QWEN2_MOE,
+            "Qwen3ForCausalLM": QWEN3_MOE}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
 IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a buffer some old checkpoints stored: recomputed on load
 # config keys never copied from the source: identity of the source model, or set by the conversion
 NOT_COPIED = {"architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
@@ -104,6 +113,7 @@ class _Tensor:  # one output tensor of the plan
     dtype: str  # safetensors dtype name of the output
     source: str | None = None  # source tensor copied (and cast) into it
     router_layer: int | None = None  # or: the router of this layer, generated
+    zeros: bool = False  # or: zeros (Qwen2-MoE's empty shared expert and its gate)
     noise_key: tuple | None = None  # (layer, projection, expert) of an expert copy that gets its own noise
     nbytes: int = field(init=False)
 
@@ -217,8 +227,12 @@ def native_config(config, experts: int, top_k: int, layers=None, dtype: str | No
     else:
         kwargs.update(moe_intermediate_size=cfg["intermediate_size"], decoder_sparse_step=1, norm_topk_prob=True,
                       mlp_only_layers=[i for i in range(n) if i not in selected])
+    if family is QWEN3_MOE:
         sliding = "sliding_attention" in (cfg.get("layer_types") or [])
         kwargs.update(use_sliding_window=sliding, sliding_window=cfg.get("sliding_window") if sliding else None)
+    if family is QWEN2_MOE:  # same attention as Qwen2 (q/k/v biases, per-layer sliding windows); empty shared expert
+        kwargs.update(qkv_bias=True, shared_expert_intermediate_size=0, layer_types=cfg["layer_types"],
+                      max_window_layers=cfg["max_window_layers"])
     try:
         out = cls(**kwargs).to_dict()
     except Exception as e:  # noqa: BLE001 - transformers' validation of a field: the user's config is at fault
@@ -317,10 +331,14 @@ def _plan(tensors: dict, family: Family, selected: list[int], experts: int, out_
         proj = name[m.end():].removeprefix("mlp.").removesuffix(".weight") if m else None
         if m and int(m.group(1)) in moe and name == f"{m.group(0)}mlp.{proj}.weight" and proj in FFN_PROJS:
             block = f"{m.group(0)}{family.moe_prefix}"
-            if proj == FFN_PROJS[0]:  # the router, before the experts of its layer
+            if proj == FFN_PROJS[0]:  # the router (and an empty shared expert), before the experts of its layer
                 hidden = shape[1]
                 plan.append(_Tensor(f"{block}.gate.weight", (experts, hidden), dtype_of(st),
                                     router_layer=int(m.group(1))))
+                if family.shared_expert:
+                    plan += [_Tensor(f"{block}.shared_expert.{p}.weight", (hidden, 0) if p == "down_proj" else
+                                     (0, hidden), dtype_of(st), zeros=True) for p in FFN_PROJS]
+                    plan.append(_Tensor(f"{block}.shared_expert_gate.weight", (1, hidden), dtype_of(st), zeros=True))
             for e in range(experts):
                 plan.append(_Tensor(f"{block}.experts.{e}.{family.expert_names[proj]}.weight", shape, dtype_of(st),
                                     source=name, noise_key=(int(m.group(1)), FFN_PROJS.index(proj), e)))
@@ -358,11 +376,13 @@ class _Reader:
         return self._read(t)
 
     def _read(self, t: _Tensor) -> torch.Tensor:
-        key = (t.source, t.router_layer, t.dtype)
+        key = (t.source, t.router_layer, t.zeros, t.shape, t.dtype)
         if self.last is not None and self.last[0] == key:
             return self.last[1]
         self.last = None  # free the previous tensor before reading the next one
-        if t.router_layer is not None:
+        if t.zeros:
+            value = torch.zeros(t.shape, dtype=ST_DTYPES[t.dtype])
+        elif t.router_layer is not None:
             value = upcycle_router(self.seed, t.router_layer, *t.shape, self.router_std).to(ST_DTYPES[t.dtype])
         else:
             path = self.tensors[t.source][0]
@@ -423,8 +443,7 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
     cfg = read_config(source)
     dtype_name = str(out_dtype).removeprefix("torch.") if out_dtype is not None else None
     config = native_config(cfg, experts, top_k, layers, dtype_name)  # validates family, layers, experts, top_k
-    if record:
-        config["moecompile"] = dict(record)
+    config[NATIVE_RECORD] = {"method": "upcycle", **(record or {})}  # also how moecompile.load recognises it
     family = FAMILIES[_architecture(cfg)]
     selected = _select_layers(layers, cfg["num_hidden_layers"])
     tensors = source_tensors(source)
@@ -474,6 +493,8 @@ def _model_card(source: Path, target: str, experts: int, top_k: int, selected: l
              f"{experts} experts, top-{top_k}, softmax routing (routers drawn from normal(0, {router_std}), "
              f"seed {seed}); "
              f"{exact}.", ""]
+    if target == QWEN2_MOE.target:
+        lines += ["The shared expert is empty (shared_expert_intermediate_size 0): it adds exactly 0.", ""]
     if "capacity_factor" in record:
         lines += [f"Capacity factor chosen at conversion: {record['capacity_factor']} (config.json `moecompile`; "
                   "`moecompile.compile` applies it, transformers runs dropless).", ""]
