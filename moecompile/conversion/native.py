@@ -27,13 +27,11 @@ import json
 import os
 import re
 import shutil
-import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from moecompile.conversion.moeize import ROUTER_STD, parse_layers, upcycle_copy, upcycle_router
@@ -41,7 +39,6 @@ from moecompile.errors import MoECompileError
 from moecompile.io.checkpoint import (
     DEFAULT_SHARD_SIZE,
     NATIVE_RECORD,
-    WEIGHTS,
     WEIGHTS_INDEX,
     atomic_directory,
     check_output_dir,
@@ -51,17 +48,12 @@ from moecompile.io.checkpoint import (
     weight_files,
     write_config,
 )
+from moecompile.io.stream import ST_DTYPES, TORCH_TO_ST, Entry, parse_size, read_tensor, shard, write_files
 from moecompile.ir import knobs
 
 FFN_PROJS = ("gate_proj", "up_proj", "down_proj")
 EXTRA_FILES = ("generation_config.json",)  # copied beside the tokenizer: generation defaults stay the source's
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-
-# safetensors dtype names <-> torch dtypes (the ones a language model checkpoint holds)
-ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -107,21 +99,11 @@ class NativeResult:
 
 
 @dataclass
-class _Tensor:  # one output tensor of the plan
-    name: str
-    shape: tuple
-    dtype: str  # safetensors dtype name of the output
+class _Tensor(Entry):  # one output tensor of the plan
     source: str | None = None  # source tensor copied (and cast) into it
     router_layer: int | None = None  # or: the router of this layer, generated
     zeros: bool = False  # or: zeros (Qwen2-MoE's empty shared expert and its gate)
     noise_key: tuple | None = None  # (layer, projection, expert) of an expert copy that gets its own noise
-    nbytes: int = field(init=False)
-
-    def __post_init__(self):
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        self.nbytes = numel * ST_DTYPES[self.dtype].itemsize
 
 
 # --------------------------------------------------------------------------------------------------- support check
@@ -246,22 +228,6 @@ def native_config(config, experts: int, top_k: int, layers=None, dtype: str | No
 
 # ------------------------------------------------------------------------------------------------- source reading
 
-def parse_size(size: str | int) -> int:
-    """Bytes of a shard size as Hugging Face writes it: 5GB (10**9), 500MB, 2GiB (2**30), 1000 (bytes)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size), re.IGNORECASE)
-        if not m:
-            raise MoECompileError(f"bad shard size {size!r}: use e.g. 5GB, 500MB, 2GiB or a byte count")
-        unit = (m.group(2) or "B").upper()
-        scale = 1 if unit == "B" else (1024 if "I" in unit else 1000) ** ("KMGT".index(unit[0]) + 1)
-        value = int(float(m.group(1)) * scale)
-    if value <= 0:
-        raise MoECompileError(f"shard size must be positive, got {size!r}")
-    return value
-
-
 def source_tensors(directory: Path) -> dict[str, tuple[Path, tuple, str]]:
     """name -> (file, shape, safetensors dtype) of every tensor of a checkpoint folder, from the headers alone. A
     tensor IGNORED matches is neither checked nor written."""
@@ -351,18 +317,6 @@ def _natural_key(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
-def _shards(plan: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:
-    shards, size = [[]], 0
-    for t in plan:
-        if shards[-1] and size + t.nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += t.nbytes
-    # within a file, larger elements first (as safetensors does) so every tensor starts aligned to its element size
-    return [sorted(s, key=lambda t: -ST_DTYPES[t.dtype].itemsize) for s in shards]
-
-
 class _Reader:
     """Reads plan tensors one at a time, keeping only the last one (the next expert copies it again)."""
 
@@ -385,37 +339,9 @@ class _Reader:
         elif t.router_layer is not None:
             value = upcycle_router(self.seed, t.router_layer, *t.shape, self.router_std).to(ST_DTYPES[t.dtype])
         else:
-            path = self.tensors[t.source][0]
-            try:
-                with safe_open(str(path), framework="pt") as f:  # opened per tensor: no mapping outlives its read
-                    value = f.get_tensor(t.source)
-            except (SafetensorError, OSError, ValueError) as e:
-                raise MoECompileError(f"cannot read {t.source} from {path}: {e}") from None
-            value = value.to(ST_DTYPES[t.dtype])
+            value = read_tensor(self.tensors[t.source][0], t.source).to(ST_DTYPES[t.dtype])
         self.last = (key, value.contiguous())
         return self.last[1]
-
-
-def _write_shard(path: Path, entries: list[_Tensor], read: _Reader, bar) -> None:
-    """One safetensors file written tensor by tensor: the header (known from the plan) first, then each tensor's
-    bytes as soon as it is read, so a shard is never held in memory."""
-    header, offset = {}, 0
-    for t in entries:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    header["__metadata__"] = {"format": "pt"}
-    raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors pads it
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for t in entries:
-            value = read(t)
-            data = value.reshape(-1).view(torch.uint8).numpy() if value.numel() else b""
-            if len(data) != t.nbytes:
-                raise MoECompileError(f"{t.source}: read {len(data)} bytes, its header says {t.nbytes}")
-            f.write(data)
-            bar.update(t.nbytes)
 
 
 # ------------------------------------------------------------------------------------------------------ conversion
@@ -423,14 +349,16 @@ def _write_shard(path: Path, entries: list[_Tensor], read: _Reader, bar) -> None
 def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: int, top_k: int = 2, layers=None,
                    seed: int = 0, dtype: str | torch.dtype | None = None,
                    max_shard_size: str | int = DEFAULT_SHARD_SIZE, router_std: float = ROUTER_STD,
-                   noise: float = 0.0, progress: bool = True, record: dict | None = None) -> NativeResult:
+                   noise: float = 0.0, fp8: bool = False, progress: bool = True,
+                   record: dict | None = None) -> NativeResult:
     """Upcycle the dense HF checkpoint folder `source` into `out` in its native HF MoE architecture (see
     native_support), streaming: every expert a copy of the dense FFN, routers normal(0, router_std) drawn from
     `seed`. `noise` > 0 adds normal noise of noise * std(W) to each expert copy of W (as moeize's upcycle does:
     breaks the symmetry of the copies, no longer exactly the dense model). `dtype` converts floating tensors while
-    streaming. `record` (how it was made: capacity factor, source, ...) goes into config.json's "moecompile" entry,
-    which transformers ignores and moecompile reads, and into the model card README.md. `out` appears complete or
-    not at all."""
+    streaming. `fp8` writes the experts in transformers' FineGrainedFP8 layout (moecompile.io.hf_fp8), quantised from
+    the copies as they stream, after any `dtype` cast. `record` (how it was made: capacity factor, source, ...)
+    goes into config.json's "moecompile" entry, which transformers ignores and moecompile reads, and into the model
+    card README.md. `out` appears complete or not at all."""
     start = time.perf_counter()
     source = Path(source)
     if not source.is_dir():
@@ -452,38 +380,34 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
     if "dtype" not in config:  # the source config named none: that of the embeddings
         config["dtype"] = config["torch_dtype"] = str(ST_DTYPES[next(
             t.dtype for t in plan if t.name.endswith("embed_tokens.weight"))]).removeprefix("torch.")
-    shards = _shards(plan, max_bytes)
-    names = ([WEIGHTS] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    total = sum(t.nbytes for t in plan)
     read = _Reader(tensors, seed, router_std, noise)
+    written = plan
+    if fp8:
+        from moecompile.io.hf_fp8 import FP8Reader, fp8_entries, hf_quantization_config
+
+        written = [q for t in plan for q in (fp8_entries(t) if t.noise_key is not None else [t])]
+        read = FP8Reader(read)
+        config["quantization_config"] = hf_quantization_config(config, source)
+    files = shard(written, max_bytes)
+    total = sum(t.nbytes for t in written)
     with atomic_directory(out) as tmp, tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                                             desc=f"upcycle -> {family.target}", disable=not progress) as bar:
-        for name, entries in zip(names, shards):
-            _write_shard(tmp / name, entries, read, bar)
-        read.last = None
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {t.name: n for n, s in zip(names, shards) for t in s}}
-            (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_files(tmp, files, read, bar)
         write_config(tmp, config)
         copy_tokenizer(source, tmp)
         (tmp / "README.md").write_text(_model_card(source, family.target, experts, top_k, selected, seed, noise,
-                                                   router_std, record or {}))
+                                                   router_std, fp8, record or {}))
         for extra in EXTRA_FILES:
             if (source / extra).is_file():
                 shutil.copy2(source / extra, tmp / extra)
 
-    def params(entries):
-        return sum(t.nbytes // ST_DTYPES[t.dtype].itemsize for t in entries)
-
-    src = [_Tensor(k, shape, st) for k, (_, shape, st) in tensors.items()]
-    return NativeResult(Path(out), family.target, params(src), params(plan), total, len(shards), selected,
-                        time.perf_counter() - start)
+    source_params = sum(Entry(k, shape, st).numel for k, (_, shape, st) in tensors.items())
+    return NativeResult(Path(out), family.target, source_params, sum(t.numel for t in plan), total, len(files),
+                        selected, time.perf_counter() - start)
 
 
 def _model_card(source: Path, target: str, experts: int, top_k: int, selected: list[int], seed: int, noise: float,
-                router_std: float, record: dict) -> str:
+                router_std: float, fp8: bool, record: dict) -> str:
     exact = ("every expert a copy of the dense FFN and the top-k weights renormalised, so the model equals the dense "
              "one exactly while no token is dropped (transformers runs it dropless)" if not noise else
              f"every expert a copy of the dense FFN plus normal noise of {noise} x std(W): close to the dense model, "
@@ -493,6 +417,9 @@ def _model_card(source: Path, target: str, experts: int, top_k: int, selected: l
              f"{experts} experts, top-{top_k}, softmax routing (routers drawn from normal(0, {router_std}), "
              f"seed {seed}); "
              f"{exact}.", ""]
+    if fp8:
+        lines += ["The experts are stored in FP8 (float8_e4m3fn, 128x128 block scales, transformers' FineGrainedFP8 "
+                  "layout): close to the dense model, not equal.", ""]
     if target == QWEN2_MOE.target:
         lines += ["The shared expert is empty (shared_expert_intermediate_size 0): it adds exactly 0.", ""]
     if "capacity_factor" in record:
