@@ -426,3 +426,92 @@ def test_moecompile_load_reads_qwen2_moe(converted):
         want = dense(ids).logits
         assert type(model).__name__ == "Qwen2MoeForCausalLM" and want.std() > 0.1
         assert (model(ids).logits - want).abs().max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def native_fp8(sources, converted, tmp_path_factory) -> Path:
+    """The tiny LLaMA upcycled straight into FP8 experts (the same seed as converted["llama"])."""
+    out = tmp_path_factory.mktemp("fp8") / "llama-fp8"
+    upcycle_native(sources["llama"], out, experts=4, top_k=2, seed=1, fp8=True, progress=False)
+    return out
+
+
+def test_native_fp8_layout(converted, native_fp8):
+    """transformers' FineGrainedFP8 layout: each expert weight float8_e4m3fn with a float32 weight_scale_inv per
+    128 x 128 block, everything else as the unquantised conversion wrote it, and the quantization_config."""
+    from moecompile.ir.fp8_format import dequantize_blocks, quantize_blocks
+
+    config = json.loads((native_fp8 / "config.json").read_text())
+    q = config.pop("quantization_config")
+    plain = json.loads((converted["llama"][1] / "config.json").read_text())
+    assert config == plain
+    parsed = transformers.FineGrainedFP8Config.from_dict(q)
+    assert q["quant_method"] == "fp8" and list(parsed.weight_block_size) == [128, 128]
+    assert {"lm_head", "model.layers.0.self_attn.q_proj"} <= set(parsed.modules_to_not_convert)
+    assert not any(".experts" in m for m in parsed.modules_to_not_convert)
+    got, want = load_file(native_fp8 / "model.safetensors"), load_file(converted["llama"][1] / "model.safetensors")
+    experts = [k for k in want if ".experts." in k]
+    assert len(experts) == 2 * 4 * 3 and set(got) == set(want) | {f"{k}_scale_inv" for k in experts}
+    for k, w in want.items():
+        if k not in experts:
+            assert torch.equal(got[k], w), k
+            continue
+        qw, s = got[k], got[f"{k}_scale_inv"]
+        assert qw.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (1, 1)  # one partial block
+        ref_q, ref_s = quantize_blocks(w)
+        assert torch.equal(qw.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+        assert (dequantize_blocks(qw, s) - w).abs().max() <= w.abs().max() / 16  # e4m3: 3 mantissa bits
+
+
+def test_native_fp8_loads_in_transformers_on_cpu(sources, native_fp8):
+    """Without a GPU transformers dequantises FineGrainedFP8 on load: every key maps, the experts come back as the
+    FP8 blocks times their scales, and the model stays close to the dense one."""
+    from moecompile.ir.fp8_format import dequantize_blocks
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(native_fp8, output_loading_info=True)
+    assert not any(info.values()) and type(model).__name__ == "MixtralForCausalLM"
+    stored = load_file(native_fp8 / "model.safetensors")
+    gate = dequantize_blocks(stored["model.layers.1.block_sparse_moe.experts.2.w1.weight"],
+                             stored["model.layers.1.block_sparse_moe.experts.2.w1.weight_scale_inv"])
+    assert torch.equal(model.model.layers[1].mlp.experts.gate_up_proj[2, :48], gate)
+    dense = transformers.AutoModelForCausalLM.from_pretrained(sources["llama"]).eval()
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got, want = model.eval()(ids).logits, dense(ids).logits
+    # one 128 x 128 scale per tiny 48 x 32 weight and init range 0.2: coarser than any real model's FP8
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99
+
+
+def test_native_fp8_maps_onto_transformers_fp8_experts(native_fp8, monkeypatch):
+    """transformers' GPU path (FP8Experts holding gate_up_proj and its scale_inv), taken on the CPU by reporting a
+    Hopper GPU to its environment check: every tensor maps, bit for bit. Its FP8 matmul needs the GPU
+    (tests/test_gpu_native_fp8.py)."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+    from transformers.utils.import_utils import is_torch_cuda_available
+
+    is_torch_cuda_available.cache_clear()  # cached by transformers: must not outlive the patch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(native_fp8, output_loading_info=True)
+    finally:
+        is_torch_cuda_available.cache_clear()
+    assert not any(info.values())
+    stored = load_file(native_fp8 / "model.safetensors")
+    ex = model.model.layers[0].mlp.experts
+    assert isinstance(ex, FP8Experts) and ex.gate_up_proj.dtype == torch.float8_e4m3fn
+    w3 = stored["model.layers.0.block_sparse_moe.experts.3.w3.weight"]
+    assert torch.equal(ex.gate_up_proj.data[3, 48:].view(torch.uint8), w3.view(torch.uint8))
+    assert torch.equal(ex.down_proj_scale_inv.data[1],
+                       stored["model.layers.0.block_sparse_moe.experts.1.w2.weight_scale_inv"])
+
+
+def test_cli_convert_fp8_writes_the_native_fp8_layout(sources, native_fp8, tmp_path, capsys):
+    from moecompile import cli
+
+    out = tmp_path / "moe"
+    assert cli.main(["convert", str(sources["llama"]), "--experts", "4", "--seed", "1", "--fp8", "--out", str(out),
+                     "--no-progress"]) == 0
+    assert "-> MixtralForCausalLM" in capsys.readouterr().out
+    assert (out / "model.safetensors").read_bytes() == (native_fp8 / "model.safetensors").read_bytes()
+    assert "FP8" in (out / "README.md").read_text()

@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,6 +38,7 @@ from moecompile.conversion.moeize import ROUTER_STD, parse_layers, upcycle_copy,
 from moecompile.errors import MoECompileError
 from moecompile.io.checkpoint import (
     DEFAULT_SHARD_SIZE,
+    GENERATION_CONFIG,
     NATIVE_RECORD,
     WEIGHTS_INDEX,
     atomic_directory,
@@ -52,7 +53,6 @@ from moecompile.io.stream import ST_DTYPES, TORCH_TO_ST, Entry, parse_size, read
 from moecompile.ir import knobs
 
 FFN_PROJS = ("gate_proj", "up_proj", "down_proj")
-EXTRA_FILES = ("generation_config.json",)  # copied beside the tokenizer: generation defaults stay the source's
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -356,9 +356,9 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
     `seed`. `noise` > 0 adds normal noise of noise * std(W) to each expert copy of W (as moeize's upcycle does:
     breaks the symmetry of the copies, no longer exactly the dense model). `dtype` converts floating tensors while
     streaming. `fp8` writes the experts in transformers' FineGrainedFP8 layout (moecompile.io.hf_fp8), quantised from
-    the copies as they stream, after any `dtype` cast. `record` (how it was made: capacity factor, source, ...)
-    goes into config.json's "moecompile" entry, which transformers ignores and moecompile reads, and into the model
-    card README.md. `out` appears complete or not at all."""
+    the copies (in the source's precision, before any `dtype` cast) as they stream. `record` (how it was made:
+    capacity factor, source, ...) goes into config.json's "moecompile" entry, which transformers ignores and
+    moecompile reads, and into the model card README.md. `out` appears complete or not at all."""
     start = time.perf_counter()
     source = Path(source)
     if not source.is_dir():
@@ -385,7 +385,9 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
     if fp8:
         from moecompile.io.hf_fp8 import FP8Reader, fp8_entries, hf_quantization_config
 
-        written = [q for t in plan for q in (fp8_entries(t) if t.noise_key is not None else [t])]
+        # experts quantised from the source's precision, as convert --fp8 does before any --dtype rounding
+        written = [q for t in plan for q in (fp8_entries(replace(t, dtype=tensors[t.source][2]))
+                                             if t.noise_key is not None else [t])]
         read = FP8Reader(read)
         config["quantization_config"] = hf_quantization_config(config, source)
     files = shard(written, max_bytes)
@@ -397,9 +399,8 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
         copy_tokenizer(source, tmp)
         (tmp / "README.md").write_text(_model_card(source, family.target, experts, top_k, selected, seed, noise,
                                                    router_std, fp8, record or {}))
-        for extra in EXTRA_FILES:
-            if (source / extra).is_file():
-                shutil.copy2(source / extra, tmp / extra)
+        if (source / GENERATION_CONFIG).is_file():  # generation defaults stay the source's
+            shutil.copy2(source / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
 
     source_params = sum(Entry(k, shape, st).numel for k, (_, shape, st) in tensors.items())
     return NativeResult(Path(out), family.target, source_params, sum(t.numel for t in plan), total, len(files),

@@ -37,6 +37,7 @@ WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+GENERATION_CONFIG = "generation_config.json"  # copied beside the tokenizer by the streaming writers
 DEFAULT_SHARD_SIZE = "5GB"
 MODEL_TYPE = "moecompile"  # config.json model_type of moecompile's format (see the module docstring)
 ARCHITECTURE = "MoECompileCheckpoint"
@@ -249,24 +250,30 @@ def build_skeleton(config: dict, directory: Path) -> nn.Module:
         raise MoECompileError(f"{directory}: cannot build {architectures[0]} from config.json: {e}") from None
 
 
-def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) -> None:
-    """Copy tensors into model, requiring an exact fit (tied parameters may be stored once)."""
+def check_fit(model: nn.Module, stored: dict[str, tuple[tuple, torch.dtype]], where: Path) -> None:
+    """Require the stored tensors (name -> (shape, dtype)) to fit model exactly (tied parameters may be stored once);
+    works on a model on the meta device, so a checkpoint can be checked from its headers alone."""
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {**params, **{n: b for n, b in model.named_buffers() if n in model.state_dict()}}
-    for key, t in tensors.items():
+    for key, (shape, dtype) in stored.items():
         if key not in expected:
             raise MoECompileError(f"checkpoint does not match its config: unexpected tensor {key} in {where}")
-        if tuple(expected[key].shape) != tuple(t.shape):
-            raise MoECompileError(f"checkpoint does not match its config: {key} has shape {tuple(t.shape)}, "
+        if tuple(expected[key].shape) != tuple(shape):
+            raise MoECompileError(f"checkpoint does not match its config: {key} has shape {tuple(shape)}, "
                                   f"config implies {tuple(expected[key].shape)}")
-        if torch.float8_e4m3fn in (t.dtype, expected[key].dtype) and t.dtype != expected[key].dtype:
-            raise MoECompileError(f"checkpoint does not match its config: {key} is {t.dtype}, config implies "
+        if torch.float8_e4m3fn in (dtype, expected[key].dtype) and dtype != expected[key].dtype:
+            raise MoECompileError(f"checkpoint does not match its config: {key} is {dtype}, config implies "
                                   f"{expected[key].dtype}")  # a cast to or from FP8 would ignore the scales
-    loaded_ids = {id(expected[k]) for k in tensors}
-    missing = [k for k, v in expected.items() if k not in tensors and id(v) not in loaded_ids]
+    loaded_ids = {id(expected[k]) for k in stored}
+    missing = [k for k, v in expected.items() if k not in stored and id(v) not in loaded_ids]
     if missing:
         raise MoECompileError(f"checkpoint does not match its config: {len(missing)} tensors missing, "
                               f"e.g. {missing[0]}")
+
+
+def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) -> None:
+    """Copy tensors into model, requiring an exact fit (check_fit)."""
+    check_fit(model, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}, where)
     # the model's dtype: that of its float tensors other than FP8 weights and their float32 scales
     floats = [t.dtype for k, t in tensors.items()
               if t.is_floating_point() and t.element_size() > 1 and not k.endswith("_scale_inv")]
