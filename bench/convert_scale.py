@@ -1,10 +1,16 @@
-"""Streaming native upcycle at scale: peak memory stays flat while the output grows.
+"""Conversion steps at scale: peak memory of the streaming ones stays flat while the output grows.
 
 For each size, writes a random LLaMA-architecture checkpoint (bf16, sharded safetensors, generated shard by shard
-so the model is never held), upcycles it into 8 experts (MixtralForCausalLM) in a subprocess under /usr/bin/time -v,
-and tabulates peak RSS, wall time and write throughput. The work folder is removed at the end.
+so the model is never held), then runs each step in its own subprocess under /usr/bin/time -v and tabulates peak RSS,
+wall time and write throughput:
+- upcycle: into 8 experts (MixtralForCausalLM), streaming (moecompile.conversion.native.upcycle_native);
+- quantize: that Mixtral folder -> FP8 experts, FineGrainedFP8 layout, streaming (moecompile.io.hf_fp8);
+- upcycle --fp8: the source straight into the FP8 Mixtral, one streaming pass;
+- split (--split-sizes only): `convert --method split --format moecompile`, top-k = experts, which builds the model
+  in memory; then quantize of that moecompile checkpoint, streaming (moecompile.io.quantize).
+Each output is removed once measured, and the work folder at the end.
 
-    python bench/convert_scale.py --sizes 0.5B,1B,2B --workdir /tmp/convert-scale --out bench/results/convert-scale.md
+    python bench/convert_scale.py --sizes 0.5B,1B,2B --split-sizes 0.5B --workdir /tmp/convert-scale
 """
 from __future__ import annotations
 
@@ -88,29 +94,49 @@ def write_source(directory: Path, size: str, seed: int = 0) -> int:
     return params
 
 
-# the conversion alone, in its own process so that /usr/bin/time measures its peak memory
-UPCYCLE = """import json, sys
+# each step alone, in its own process so that /usr/bin/time measures its peak memory
+STEP = """import json, sys, time
+import transformers
+from moecompile.cli import main
 from moecompile.conversion.native import upcycle_native
-r = upcycle_native(sys.argv[1], sys.argv[2], int(sys.argv[3]), top_k=2, progress=False)
-print(json.dumps({**r.__dict__, "out": str(r.out)}))
+from moecompile.io import hf_fp8, quantize
+step, source, out, experts = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+start = time.perf_counter()  # after the imports: the step's own time
+if step in ("upcycle", "upcycle --fp8"):
+    upcycle_native(source, out, experts, top_k=2, fp8=step.endswith("fp8"), progress=False)
+elif step == "quantize":
+    hf_fp8.quantize_checkpoint(source, out, progress=False)
+elif step == "quantize (moecompile format)":
+    quantize.quantize_checkpoint(source, out, progress=False)
+elif step == "split":
+    assert main(["convert", source, "--method", "split", "--experts", str(experts), "--top-k", str(experts),
+                 "--capacity-factor", "0", "--format", "moecompile", "--out", out, "--no-progress"]) == 0
+print(json.dumps({"seconds": time.perf_counter() - start}))
 """
 
 
-def run_upcycle(source: Path, out: Path, experts: int) -> dict:
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-c", UPCYCLE, str(source), str(out), str(experts)]
+def run_step(step: str, source: Path, out: Path, experts: int) -> dict:
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-c", STEP, step, str(source), str(out), str(experts)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise SystemExit(f"upcycle failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{step} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
-    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-    for name in sorted(set(index.values())):  # every shard a valid safetensors file holding what the index says
-        with safe_open(str(out / name), framework="pt") as f:
-            assert set(f.keys()) == {k for k, v in index.items() if v == name}, name
-    return {**result, "peak_rss_gb": rss_kb * 1024 / 1e9, "wall_s": wall}
+    index_path = out / "model.safetensors.index.json"
+    files = sorted(out.glob("*.safetensors"))
+    if index_path.is_file():  # every shard a valid safetensors file holding what the index says
+        index = json.loads(index_path.read_text())["weight_map"]
+        assert sorted(set(index.values())) == [f.name for f in files]
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            keys = set(handle.keys())
+        if index_path.is_file():
+            assert keys == {k for k, v in index.items() if v == f.name}, f
+    output = sum(f.stat().st_size for f in files)
+    return {**result, "peak_rss_gb": rss_kb * 1024 / 1e9, "wall_s": wall, "output_bytes": output}
 
 
 def machine() -> str:
@@ -128,12 +154,14 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="0.5B,1B,2B", help=f"comma-separated, of {', '.join(SIZES)}")
+    p.add_argument("--split-sizes", default="", help="sizes that also run the in-memory split (default none)")
     p.add_argument("--workdir", default="/tmp/moecompile-convert-scale", help="scratch folder (removed at the end)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "convert-scale.md"))
     p.add_argument("--experts", type=int, default=8)
     a = p.parse_args(argv)
     sizes = [s.strip() for s in a.sizes.split(",")]
-    unknown = [s for s in sizes if s not in SIZES]
+    split_sizes = [s.strip() for s in a.split_sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes + split_sizes if s not in SIZES]
     if unknown:
         p.error(f"unknown sizes {unknown}; choose from {', '.join(SIZES)}")
     work = Path(a.workdir)
@@ -143,41 +171,64 @@ def main(argv: list[str] | None = None) -> int:
                             cwd=ROOT).stdout.strip()
     header = machine()
     rows = []
+
+    def step(size: str, params: int, name: str, source: Path, out: Path) -> None:
+        r = run_step(name, source, out, a.experts)
+        rows.append((size, params, name, r))
+        print(f"{size} {name}: {r['output_bytes'] / 1e9:.1f} GB, peak RSS {r['peak_rss_gb']:.2f} GB, "
+              f"{r['wall_s']:.0f} s", flush=True)
+
     try:
-        for size in sizes:
-            source, out = work / f"llama-{size}", work / f"llama-{size}-moe{a.experts}"
+        for size in sorted(set(sizes) | set(split_sizes), key=list(SIZES).index):
+            source = work / f"llama-{size}"
+            moe, fp8 = work / f"llama-{size}-moe{a.experts}", work / f"llama-{size}-moe{a.experts}-fp8"
             t = time.perf_counter()
             params = write_source(source, size)
             print(f"{size}: wrote {params / 1e9:.2f}B random parameters in {time.perf_counter() - t:.0f} s",
                   flush=True)
-            r = run_upcycle(source, out, a.experts)
-            rows.append((size, r))
-            print(f"{size}: {r['output_params'] / 1e9:.2f}B params, {r['output_bytes'] / 1e9:.1f} GB, "
-                  f"peak RSS {r['peak_rss_gb']:.2f} GB, {r['wall_s']:.0f} s", flush=True)
+            if size in sizes:
+                step(size, params, "upcycle", source, moe)
+                step(size, params, "quantize", moe, fp8)
+                shutil.rmtree(moe)
+                shutil.rmtree(fp8)
+                step(size, params, "upcycle --fp8", source, fp8)
+                shutil.rmtree(fp8)
+            if size in split_sizes:
+                step(size, params, "split", source, moe)
+                step(size, params, "quantize (moecompile format)", moe, fp8)
+                shutil.rmtree(moe)
+                shutil.rmtree(fp8)
             shutil.rmtree(source)
-            shutil.rmtree(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    split_arg = f" --split-sizes {a.split_sizes}" if split_sizes else ""
     lines = [
-        "# Streaming native upcycle at scale (LLaMA -> Mixtral, CPU)",
+        "# Conversion steps at scale (LLaMA -> Mixtral, FP8, split; CPU)",
         "",
-        f"Random LLaMA-architecture checkpoints (bf16, 1 GB source shards) upcycled into {a.experts} experts, top-2, "
-        "by `moecompile.conversion.native.upcycle_native` (default 5GB output shards) in a subprocess under "
-        "`/usr/bin/time -v`. Peak RSS is the converting process's maximum resident set; wall time includes "
-        "Python start-up and the transformers import.",
+        f"Random LLaMA-architecture checkpoints (bf16, 1 GB source shards), {a.experts} experts, each step in a "
+        "subprocess under `/usr/bin/time -v` (default 5GB output shards). Peak RSS is that process's maximum "
+        "resident set; wall time includes Python start-up and the transformers import.",
+        "",
+        "- upcycle: streaming native upcycle into MixtralForCausalLM, top-2 (`upcycle_native`);",
+        "- quantize: that Mixtral folder to FP8 experts in transformers' FineGrainedFP8 layout, streaming "
+        "(`moecompile quantize --fp8`, `moecompile.io.hf_fp8`);",
+        "- upcycle --fp8: the source straight into the FP8 Mixtral, one streaming pass (`convert --fp8`);",
+        f"- split: `convert --method split --top-k {a.experts} --format moecompile`, which loads the model, captures "
+        "it with torch.export and builds the blocks in memory; quantize (moecompile format): its output to FP8 "
+        "experts, streaming (`moecompile.io.quantize`).",
         "",
         f"Commit: {commit}. Machine: {header}.",
         "",
-        f"Command: `python bench/convert_scale.py --sizes {a.sizes} --workdir {a.workdir}`",
+        f"Command: `python bench/convert_scale.py --sizes {a.sizes}{split_arg} --workdir {a.workdir}`",
         "",
-        "| source | source params | output params | output GB | peak RSS GB | wall s | MB/s written "
+        "| source | source params | step | output GB | peak RSS GB | wall s | MB/s written "
         "| in-function s (no start-up) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for size, r in rows:
-        lines.append(f"| LLaMA {size} | {r['source_params'] / 1e9:.2f}B | {r['output_params'] / 1e9:.2f}B | "
-                     f"{r['output_bytes'] / 1e9:.1f} | {r['peak_rss_gb']:.2f} | {r['wall_s']:.0f} | "
-                     f"{r['output_bytes'] / 1e6 / r['wall_s']:.0f} | {r['seconds']:.0f} |")
+    for size, params, name, r in rows:
+        lines.append(f"| LLaMA {size} | {params / 1e9:.2f}B | {name} | {r['output_bytes'] / 1e9:.1f} | "
+                     f"{r['peak_rss_gb']:.2f} | {r['wall_s']:.0f} | {r['output_bytes'] / 1e6 / r['wall_s']:.0f} | "
+                     f"{r['seconds']:.0f} |")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {a.out}")

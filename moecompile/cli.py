@@ -38,8 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default=None, help="output folder (default ./<model>-moe<experts>)")
     c.add_argument("--format", choices=knobs.FORMATS, default="auto",
                    help="auto (default): the family's native Hugging Face MoE architecture where one expresses the "
-                        "conversion (LLaMA/Mistral -> Mixtral, Qwen3 -> Qwen3-MoE), else moecompile's; hf: native or "
-                        "an error; moecompile: always moecompile's format")
+                        "conversion (LLaMA/Mistral -> Mixtral, Qwen2/Qwen3 -> Qwen2-/Qwen3-MoE), else moecompile's; "
+                        "hf: native or an error; moecompile: always moecompile's format")
     c.add_argument("--dtype", choices=sorted(knobs.DTYPES), default=None, help="save weights in this dtype")
     c.add_argument("--random-init", action="store_true", help="build the model from its config with random weights")
     c.add_argument("--noise", type=float, default=0.0, help="upcycle: relative noise added to each expert copy")
@@ -243,8 +243,6 @@ def _native_target(a, models) -> tuple:
         return None, None, "the model is built from its config, not streamed from a checkpoint folder"
     if a.method != "upcycle" or a.calib is not None:
         return directory, None, "a neuron split has no native Hugging Face MoE form here yet"
-    if a.fp8:
-        return directory, None, "FP8 experts are written in the native form only by `moecompile quantize` of it"
     return (directory, *native_support(directory, a.layers))
 
 
@@ -255,11 +253,13 @@ def _convert_native(a, directory, out, start: float) -> int:
 
     record = {"capacity_factor": a.capacity_factor, "method": "upcycle", "source": a.model}
     r = upcycle_native(directory, out, a.experts, a.top_k, a.layers, a.seed, a.dtype, a.max_shard_size,
-                       noise=a.noise, progress=not a.no_progress, record=record)
+                       noise=a.noise, fp8=a.fp8, progress=not a.no_progress, record=record)
     print(f"converted {a.model}: {len(r.moe_layers)} FFNs -> {r.target} (upcycle, {a.experts} experts, top-{a.top_k}), "
           "native Hugging Face format: AutoModelForCausalLM loads it without moecompile")
     print(f"  parameters: dense {report.human(r.source_params)} -> total {report.human(r.output_params)}")
     exact = "exactly the dense model at init" if not a.noise else f"the dense model plus --noise {a.noise}"
+    if a.fp8:
+        exact += ", up to FP8 rounding of the experts (FineGrainedFP8 layout, 128x128 block scales)"
     print(f"  transformers runs it dropless ({exact}); capacity factor {a.capacity_factor} is recorded in config.json "
           "for moecompile.compile")
     files = sorted(f for f in out.iterdir() if f.is_file())
@@ -282,7 +282,6 @@ def quantize_cmd(a) -> int:
     from pathlib import Path
 
     from moecompile.io import checkpoint
-    from moecompile.ir import fp8, layout
 
     source = Path(a.model)
     if not source.is_dir():
@@ -291,10 +290,10 @@ def quantize_cmd(a) -> int:
     progress = not a.no_progress
     start = time.perf_counter()
     if checkpoint.is_checkpoint(source):
-        model = checkpoint.load(source, progress=progress)
-        fp8.quantize(model, progress=progress)
-        checkpoint.save(model, out, tokenizer_dir=source, max_shard_size=a.max_shard_size, progress=progress)
-        what = f"the experts of {len(layout.moe_blocks(model))} MoE blocks"
+        from moecompile.io.quantize import quantize_checkpoint
+
+        count = quantize_checkpoint(source, out, max_shard_size=a.max_shard_size, progress=progress)
+        what = f"the experts of {count} MoE blocks"
     else:
         from moecompile.io.hf_fp8 import quantize_checkpoint
 

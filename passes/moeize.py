@@ -44,10 +44,10 @@ def moeize(gm: fx.GraphModule, ctx) -> dict:
     ffns = {index: dense_ffn(gm, ctx.ffns[index]) for index in chosen}
     check_ffns(list(ffns.values()), experts, method)
     dense_params, rewritten = set(), []
-    for n, index in enumerate(chosen):
+    for index in chosen:
         match = ctx.ffns[index]
         block = build_block(ffns[index], experts, top_k, o.get("capacity_factor", knobs.CAPACITY_FACTOR), method,
-                            o.get("noise", 0.0), o.get("seed", 0) + n)
+                            o.get("noise", 0.0), o.get("seed", 0), index=index)
         prefix = f"moe{index}"
         gm.add_submodule(prefix, block)
         sub = _export_block(block, match.input)

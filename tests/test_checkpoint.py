@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,7 +105,7 @@ def test_roundtrip_identical(family, method, tmp_path):
     assert out == tmp_path / "ckpt"
     assert (out / "model.safetensors").is_file()
     config = json.loads((out / "config.json").read_text())
-    assert config["moe"]["format_version"] == 1
+    assert config["moe"]["format_version"] == 2 and config["model_type"] == "moecompile"
     assert [b["path"] for b in config["moe"]["blocks"]] == [p for p, _ in moe_blocks(model)]
 
     loaded = checkpoint.load(out, progress=False)
@@ -123,6 +125,44 @@ def test_roundtrip_identical(family, method, tmp_path):
     assert torch.equal(got, expected), (got - expected).abs().max()
     # inspect's summary from the config and the safetensors headers alone equals the loaded model's
     assert report.checkpoint_summary(out) == {"blocks": report.block_rows(loaded), **report.parameter_counts(loaded)}
+
+
+# run by a fresh interpreter that never imports moecompile: what plain transformers makes of the folder
+PLAIN_LOAD = r"""
+import json, sys, transformers
+try:
+    transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])
+    result = {"loaded": True}
+except Exception as e:
+    result = {"loaded": False, "error": type(e).__name__, "message": str(e).splitlines()[0]}
+result["moecompile_imported"] = any(m.split(".")[0] == "moecompile" for m in sys.modules)
+print(json.dumps(result))
+"""
+
+
+def test_plain_transformers_refuses_a_moecompile_folder(gpt2_ckpt):
+    """Never the dense source class with freshly initialised FFN weights: AutoModelForCausalLM raises."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(gpt2_ckpt)], capture_output=True, text=True,
+                          env=env, cwd="/", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["loaded"] is False and result["moecompile_imported"] is False
+    assert result["error"] == "ValueError" and "model type `moecompile`" in result["message"]
+
+
+def test_loads_folders_written_in_the_old_layout(gpt2_moe, gpt2_ckpt, tmp_path):
+    """format_version 1 kept the source's model_type and architectures at the top of config.json."""
+    d = copy_ckpt(gpt2_ckpt, tmp_path)
+    config = json.loads((d / "config.json").read_text())
+    moe = config.pop("moe")
+    config.update(moe.pop("source"))
+    config["moe"] = {**moe, "format_version": 1}
+    (d / "config.json").write_text(json.dumps(config))
+    loaded = checkpoint.load(d, progress=False)
+    assert type(loaded) is type(gpt2_moe) and block_configs(loaded) == block_configs(gpt2_moe)
+    assert_same_state(loaded, gpt2_moe)
+    assert torch.equal(outputs(loaded), outputs(gpt2_moe))
 
 
 def test_gpt2_tied_weights_survive(gpt2_moe, gpt2_ckpt):
@@ -372,7 +412,9 @@ BAD = {
                             r"implies \(8, "),
     "bad-block-path": (_edit_config(_bad_block_path), r"MoE layout does not fit this model"),
     "unknown-block-key": (_edit_config(_unknown_block_key), r"unknown MoE config keys: bogus"),
-    "no-architecture": (_edit_config(lambda c: c.pop("architectures")), r"names no transformers architecture"),
+    "no-architecture": (_edit_config(lambda c: c["moe"]["source"].pop("architectures")),
+                        r"names no transformers architecture"),
+    "no-source": (_edit_config(lambda c: c["moe"].pop("source")), r"model_type 'moecompile' but no moe\.source"),
     "extra-tensor": (_edit_tensors(lambda t: t.update({"extra.weight": torch.zeros(3)})),
                      r"unexpected tensor extra\.weight"),
     "missing-tensor": (_edit_tensors(lambda t: t.pop("transformer.h.1.mlp.router.weight")),
@@ -461,7 +503,7 @@ def test_plain_module_roundtrip(tmp_path):
     out = checkpoint.save(net, tmp_path / "plain", progress=False)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     config = json.loads((out / "config.json").read_text())
-    assert set(config) == {"moe"}
+    assert set(config) == {"moe", "model_type", "architectures"} and config["moe"]["source"] == {}
     assert [b["path"] for b in config["moe"]["blocks"]] == ["ffn"]
     assert config["moe"]["blocks"][0]["config"]["num_experts"] == 4
 

@@ -116,7 +116,8 @@ def test_convert_tiny_gpt2(gpt2_moe_dir):
 
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["GPT2LMHeadModel"]
+    assert config["architectures"] == ["MoECompileCheckpoint"] and config["model_type"] == "moecompile"
+    assert config["moe"]["source"] == {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
     assert [b["path"] for b in config["moe"]["blocks"]] == ["transformer.h.0.mlp", "transformer.h.1.mlp"]
     assert {b["config"]["num_experts"] for b in config["moe"]["blocks"]} == {4}
     assert {b["config"]["capacity_factor"] for b in config["moe"]["blocks"]} == {0.0}
@@ -164,7 +165,7 @@ def test_convert_split(name, arch, paths, gated, tmp_path, capsys):
     assert f"converted {name} (RANDOM weights): 2 FFNs -> MoE blocks (split, 4 experts, top-4" in stdout
     assert max_diff(stdout) <= 1e-4  # a neuron split with top_k = experts is the dense FFN
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == [arch]
+    assert config["moe"]["source"]["architectures"] == [arch]
     assert [b["path"] for b in config["moe"]["blocks"]] == paths
 
     rc, stdout, err = cli(capsys, "inspect", out, "--json", "--no-progress")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import make_tiny_model, tiny_token_ids
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import moecompile
 from moecompile import MoECompileError, report
@@ -127,7 +128,14 @@ def test_cli_quantize_moecompile_checkpoint(tmp_path, capsys):
     rc, stdout, err = cli(capsys, "quantize", src, "--fp8", "--out", out, "--no-progress")
     assert rc == 0, err
     assert "quantised the experts of 2 MoE blocks" in stdout and re.search(r"MB \(0\.[0-9]+x\)", stdout)
-    want = fp8.quantize(moecompile.load(src, progress=False))  # the same as quantising the loaded model
+    want = fp8.quantize(moecompile.load(src, progress=False))  # the same as quantising the loaded model in memory
+    moecompile.save(want, tmp_path / "in-memory", tokenizer_dir=src, progress=False)
+    streamed, in_memory = (load_file(d / "model.safetensors") for d in (out, tmp_path / "in-memory"))
+    assert streamed.keys() == in_memory.keys()
+    assert [k for k, t in streamed.items() if t.dtype != in_memory[k].dtype or not torch.equal(
+        bits(t) if t.dtype == F8 else t, bits(in_memory[k]) if t.dtype == F8 else in_memory[k])] == []
+    assert json.loads((out / "config.json").read_text()) == json.loads((tmp_path / "in-memory" / "config.json")
+                                                                       .read_text())
     got = moecompile.load(out, progress=False)
     ids = tiny_token_ids()
     with torch.no_grad():
@@ -275,3 +283,18 @@ def test_hf_quantize_refuses_a_quantised_folder(hf_fp8_folder, tmp_path, capsys)
     assert rc == 2 and "is quantised already (fp8)" in err
     assert not (tmp_path / "again").exists()
     shutil.rmtree(out)
+
+
+def test_cli_quantize_refuses_a_checkpoint_that_does_not_fit(tmp_path, capsys):
+    """The streaming quantiser checks the headers against the config before writing anything."""
+    src = tmp_path / "moe"
+    model = make_tiny_model("llama", random_bias=False)
+    moecompile.moeize(model, experts=2, top_k=2, capacity_factor=0.0, progress=False)
+    moecompile.save(model, src, progress=False)
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.w_out"]
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    before = sorted(p.name for p in tmp_path.iterdir())
+    rc, _, err = cli(capsys, "quantize", src, "--fp8", "--out", tmp_path / "o", "--no-progress")
+    assert rc == 2 and "1 tensors missing, e.g. model.layers.1.mlp.experts.w_out" in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -27,6 +27,9 @@ SOURCES = {
     "llama": lambda: transformers.LlamaConfig(**TINY),
     "mistral": lambda: transformers.MistralConfig(sliding_window=4, **TINY),  # window shorter than the probe
     "qwen3": lambda: transformers.Qwen3Config(head_dim=8, tie_word_embeddings=True, **TINY),  # head_dim != 32/2
+    # q/k/v biases; layer 0 full attention, layer 1 a window shorter than the probe
+    "qwen2": lambda: transformers.Qwen2Config(tie_word_embeddings=True, use_sliding_window=True, sliding_window=4,
+                                              max_window_layers=1, **TINY),
 }
 
 # run by a fresh interpreter: plain transformers, no moecompile
@@ -56,6 +59,10 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     for name, make in SOURCES.items():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(make())
+        with torch.no_grad():  # HF initialises biases to zero: random ones show a bias lost on the way
+            for p_name, p in model.named_parameters():
+                if p_name.endswith(".bias"):
+                    p.normal_(0, 0.5)
         model.save_pretrained(root / name)
         (root / name / "tokenizer_config.json").write_text("{}")  # copied along
         out[name] = root / name
@@ -78,6 +85,7 @@ def converted(sources, tmp_path_factory) -> dict[str, tuple[Path, Path, native.N
     runs["qwen3-layer1"] = ("qwen3", {"layers": "1"})
     runs["mistral-bf16"] = ("mistral", {"dtype": "bf16"})
     runs["llama-v4"] = ("llama-v4", {})
+    runs["qwen2-layer0"] = ("qwen2", {"layers": "0"})
     done = {}
     for name, (src, kw) in runs.items():
         result = upcycle_native(sources[src], root / name, experts=4, top_k=2, seed=1, progress=False, **kw)
@@ -102,7 +110,8 @@ def test_fresh_transformers_never_imports_moecompile(loaded):
 @pytest.mark.parametrize("name, cls", [("llama", "MixtralForCausalLM"), ("mistral", "MixtralForCausalLM"),
                                        ("qwen3", "Qwen3MoeForCausalLM"), ("llama-sharded", "MixtralForCausalLM"),
                                        ("qwen3-layer1", "Qwen3MoeForCausalLM"),
-                                       ("llama-v4", "MixtralForCausalLM")])
+                                       ("llama-v4", "MixtralForCausalLM"), ("qwen2", "Qwen2MoeForCausalLM"),
+                                       ("qwen2-layer0", "Qwen2MoeForCausalLM")])
 def test_native_model_loads_and_equals_dense(converted, loaded, name, cls):
     r = loaded[str(converted[name][1])]
     assert r["class"] == cls
@@ -354,3 +363,155 @@ def test_cli_format_choices(sources, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("moecompile: error: --format hf: ") and "\n" not in err
     assert not bad.exists()
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.01])
+def test_streaming_equals_in_memory_upcycle(sources, tmp_path, noise):
+    """The streaming native path writes bit for bit the tensors that moeize builds in memory from the same model and
+    seed: expert copies (and their noise), routers, everything else."""
+    from moecompile.conversion.moeize import moeize
+
+    src = sources["llama"]
+    upcycle_native(src, tmp_path / "moe", experts=4, top_k=2, seed=3, noise=noise, progress=False)
+    streamed = load_file(tmp_path / "moe" / "model.safetensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    moeize(model, experts=4, top_k=2, capacity_factor=0, seed=3, noise=noise, progress=False)
+    state = model.state_dict()
+    expected = {}
+    for layer in range(2):
+        mine, ours = f"model.layers.{layer}.block_sparse_moe", f"model.layers.{layer}.mlp"
+        w_in, w_out = state[f"{ours}.experts.w_in"], state[f"{ours}.experts.w_out"]
+        expected[f"{mine}.gate.weight"] = state[f"{ours}.router.weight"]
+        for e in range(4):
+            gate, up = w_in[e].chunk(2)
+            expected.update({f"{mine}.experts.{e}.w1.weight": gate, f"{mine}.experts.{e}.w3.weight": up,
+                             f"{mine}.experts.{e}.w2.weight": w_out[e]})
+    expected.update({k: v for k, v in state.items() if ".mlp." not in k})
+    assert set(streamed) == set(expected)
+    assert [k for k in streamed if not torch.equal(streamed[k], expected[k])] == []
+    if noise:  # the noise is there, and the same in both
+        assert not torch.equal(streamed["model.layers.0.block_sparse_moe.experts.0.w1.weight"],
+                               streamed["model.layers.0.block_sparse_moe.experts.1.w1.weight"])
+    native_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe").eval()
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, want = native_model(ids).logits, model(ids).logits
+    assert want.std() > 0.1 and (got - want).abs().max() < 1e-5  # other kernels, same function
+
+
+def test_qwen2_moe_config_and_empty_shared_expert(sources, converted):
+    src, out, _ = converted["qwen2-layer0"]
+    config = json.loads((out / "config.json").read_text())
+    dense = json.loads((src / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2MoeForCausalLM"] and config["model_type"] == "qwen2_moe"
+    assert config["shared_expert_intermediate_size"] == 0 and config["norm_topk_prob"] is True
+    assert config["mlp_only_layers"] == [1] and config["moe_intermediate_size"] == 48 and config["qkv_bias"]
+    assert config["layer_types"] == dense["layer_types"] == ["full_attention", "sliding_attention"]
+    tensors = load_file(out / "model.safetensors")
+    assert tensors["model.layers.0.mlp.shared_expert.gate_proj.weight"].shape == (0, 32)
+    assert tensors["model.layers.0.mlp.shared_expert.down_proj.weight"].shape == (32, 0)
+    assert not tensors["model.layers.0.mlp.shared_expert_gate.weight"].any()
+    assert "model.layers.1.mlp.gate_proj.weight" in tensors and "README.md" in {p.name for p in out.iterdir()}
+    assert "shared expert is empty" in (out / "README.md").read_text()
+
+
+def test_moecompile_load_reads_qwen2_moe(converted):
+    import moecompile
+
+    src, out, _ = converted["qwen2"]
+    model = moecompile.load(out)
+    dense = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = dense(ids).logits
+        assert type(model).__name__ == "Qwen2MoeForCausalLM" and want.std() > 0.1
+        assert (model(ids).logits - want).abs().max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def native_fp8(sources, converted, tmp_path_factory) -> Path:
+    """The tiny LLaMA upcycled straight into FP8 experts (the same seed as converted["llama"])."""
+    out = tmp_path_factory.mktemp("fp8") / "llama-fp8"
+    upcycle_native(sources["llama"], out, experts=4, top_k=2, seed=1, fp8=True, progress=False)
+    return out
+
+
+def test_native_fp8_layout(converted, native_fp8):
+    """transformers' FineGrainedFP8 layout: each expert weight float8_e4m3fn with a float32 weight_scale_inv per
+    128 x 128 block, everything else as the unquantised conversion wrote it, and the quantization_config."""
+    from moecompile.ir.fp8_format import dequantize_blocks, quantize_blocks
+
+    config = json.loads((native_fp8 / "config.json").read_text())
+    q = config.pop("quantization_config")
+    plain = json.loads((converted["llama"][1] / "config.json").read_text())
+    assert config == plain
+    parsed = transformers.FineGrainedFP8Config.from_dict(q)
+    assert q["quant_method"] == "fp8" and list(parsed.weight_block_size) == [128, 128]
+    assert {"lm_head", "model.layers.0.self_attn.q_proj"} <= set(parsed.modules_to_not_convert)
+    assert not any(".experts" in m for m in parsed.modules_to_not_convert)
+    got, want = load_file(native_fp8 / "model.safetensors"), load_file(converted["llama"][1] / "model.safetensors")
+    experts = [k for k in want if ".experts." in k]
+    assert len(experts) == 2 * 4 * 3 and set(got) == set(want) | {f"{k}_scale_inv" for k in experts}
+    for k, w in want.items():
+        if k not in experts:
+            assert torch.equal(got[k], w), k
+            continue
+        qw, s = got[k], got[f"{k}_scale_inv"]
+        assert qw.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (1, 1)  # one partial block
+        ref_q, ref_s = quantize_blocks(w)
+        assert torch.equal(qw.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+        assert (dequantize_blocks(qw, s) - w).abs().max() <= w.abs().max() / 16  # e4m3: 3 mantissa bits
+
+
+def test_native_fp8_loads_in_transformers_on_cpu(sources, native_fp8):
+    """Without a GPU transformers dequantises FineGrainedFP8 on load: every key maps, the experts come back as the
+    FP8 blocks times their scales, and the model stays close to the dense one."""
+    from moecompile.ir.fp8_format import dequantize_blocks
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(native_fp8, output_loading_info=True)
+    assert not any(info.values()) and type(model).__name__ == "MixtralForCausalLM"
+    stored = load_file(native_fp8 / "model.safetensors")
+    gate = dequantize_blocks(stored["model.layers.1.block_sparse_moe.experts.2.w1.weight"],
+                             stored["model.layers.1.block_sparse_moe.experts.2.w1.weight_scale_inv"])
+    assert torch.equal(model.model.layers[1].mlp.experts.gate_up_proj[2, :48], gate)
+    dense = transformers.AutoModelForCausalLM.from_pretrained(sources["llama"]).eval()
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got, want = model.eval()(ids).logits, dense(ids).logits
+    # one 128 x 128 scale per tiny 48 x 32 weight and init range 0.2: coarser than any real model's FP8
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99
+
+
+def test_native_fp8_maps_onto_transformers_fp8_experts(native_fp8, monkeypatch):
+    """transformers' GPU path (FP8Experts holding gate_up_proj and its scale_inv), taken on the CPU by reporting a
+    Hopper GPU to its environment check: every tensor maps, bit for bit. Its FP8 matmul needs the GPU
+    (tests/test_gpu_native_fp8.py)."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+    from transformers.utils.import_utils import is_torch_cuda_available
+
+    is_torch_cuda_available.cache_clear()  # cached by transformers: must not outlive the patch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(native_fp8, output_loading_info=True)
+    finally:
+        is_torch_cuda_available.cache_clear()
+    assert not any(info.values())
+    stored = load_file(native_fp8 / "model.safetensors")
+    ex = model.model.layers[0].mlp.experts
+    assert isinstance(ex, FP8Experts) and ex.gate_up_proj.dtype == torch.float8_e4m3fn
+    w3 = stored["model.layers.0.block_sparse_moe.experts.3.w3.weight"]
+    assert torch.equal(ex.gate_up_proj.data[3, 48:].view(torch.uint8), w3.view(torch.uint8))
+    assert torch.equal(ex.down_proj_scale_inv.data[1],
+                       stored["model.layers.0.block_sparse_moe.experts.1.w2.weight_scale_inv"])
+
+
+def test_cli_convert_fp8_writes_the_native_fp8_layout(sources, native_fp8, tmp_path, capsys):
+    from moecompile import cli
+
+    out = tmp_path / "moe"
+    assert cli.main(["convert", str(sources["llama"]), "--experts", "4", "--seed", "1", "--fp8", "--out", str(out),
+                     "--no-progress"]) == 0
+    assert "-> MixtralForCausalLM" in capsys.readouterr().out
+    assert (out / "model.safetensors").read_bytes() == (native_fp8 / "model.safetensors").read_bytes()
+    assert "FP8" in (out / "README.md").read_text()

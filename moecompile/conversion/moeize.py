@@ -210,32 +210,59 @@ def _neuron_groups(ffn: DenseFFN, experts: int, seed: int) -> list[torch.Tensor]
     return [torch.nonzero(assign == e).flatten() for e in range(experts)]
 
 
+ROUTER_STD = 0.02  # upcycled routers: small, so every expert starts near an even share of the tokens
+
+
+def ffn_seed(seed: int, index: int) -> int:
+    """The seed of everything random about the FFN numbered `index` (in model order, as --layers counts): it depends
+    on (seed, index) alone, not on which other FFNs are converted nor on the order they are written in."""
+    return seed * 1_000_003 + index
+
+
+def upcycle_router(seed: int, index: int, experts: int, hidden: int, std: float = ROUTER_STD) -> torch.Tensor:
+    """The router weight [experts, hidden] (float32) of an upcycled FFN, normal(0, std): moeize and the streaming
+    native upcycle both draw it here, so their outputs are bit-identical."""
+    g = torch.Generator().manual_seed(ffn_seed(seed, index))
+    return torch.randn((experts, hidden), generator=g, dtype=torch.float32) * std
+
+
+def upcycle_copy(w: torch.Tensor, seed: int, index: int, proj: int, expert: int, noise: float) -> torch.Tensor:
+    """Expert `expert`'s copy of the dense projection w [out, in] (proj: 0 the first or gate projection, 1 up,
+    2 down) plus normal noise of noise * std(w), which breaks the symmetry between the copies; w itself at noise 0."""
+    if noise <= 0:
+        return w
+    g = torch.Generator().manual_seed((ffn_seed(seed, index) * 3 + proj) * 4099 + expert + 1)
+    wf = w.float()
+    return (wf + torch.randn(wf.shape, generator=g) * (noise * wf.std())).to(w.dtype)
+
+
 def build_block(ffn: DenseFFN, experts: int, top_k: int, capacity_factor: float, method: str,
-                noise: float = 0.0, seed: int = 0, groups: list[torch.Tensor] | None = None) -> MoEBlock:
+                noise: float = 0.0, seed: int = 0, groups: list[torch.Tensor] | None = None,
+                index: int = 0) -> MoEBlock:
     """An MoEBlock equivalent to the dense FFN (at init, see the module docstring). `groups` (split only): the
     neuron indices of each expert, instead of the weight k-means (calibration passes co-activation groups).
+    `index`: the FFN's number in the model, which with `seed` draws its router, noise and k-means (ffn_seed).
     The arguments are checked where they enter: check_options and check_ffns."""
     gated = ffn.match.gated
     h, i = ffn.hidden_size, ffn.intermediate_size
     common = dict(hidden_size=h, num_experts=experts, top_k=top_k, capacity_factor=capacity_factor,
                   activation=ffn.match.activation, gated=gated, bias_in=ffn.b_in is not None,
                   dropout=ffn.dropout, method=method)
-    gen = torch.Generator().manual_seed(seed)
     if method == "upcycle":
         config = MoEConfig(expert_size=i, bias_out="expert" if ffn.b_out is not None else "none", **common)
         block = MoEBlock(config).to(dtype=ffn.w_in.dtype, device=ffn.w_in.device)
+        # the first projection's rows: (gate, up) when gated, else one projection
+        parts = [(0, ffn.w_in[:i]), (1, ffn.w_in[i:])] if gated else [(0, ffn.w_in)]
         with torch.no_grad():
             ex = block.experts
-            ex.w_in.copy_(ffn.w_in.expand_as(ex.w_in))
-            ex.w_out.copy_(ffn.w_out.expand_as(ex.w_out))
-            if noise > 0:  # break the symmetry between copies, relative to each weight's spread
-                for w in (ex.w_in, ex.w_out):
-                    w.add_(torch.randn(w.shape, generator=gen).to(w) * noise * w.std())
+            for e in range(experts):
+                ex.w_in[e] = torch.cat([upcycle_copy(w, seed, index, proj, e, noise) for proj, w in parts])
+                ex.w_out[e] = upcycle_copy(ffn.w_out, seed, index, 2, e, noise)
             if ex.b_in is not None:
                 ex.b_in.copy_(ffn.b_in.expand_as(ex.b_in))
             if ex.b_out is not None:
                 ex.b_out.copy_(ffn.b_out.expand_as(ex.b_out))
-            block.router.weight.copy_(torch.randn(block.router.weight.shape, generator=gen) * 0.02)
+            block.router.weight.copy_(upcycle_router(seed, index, experts, h))
         return block
     # given groups may leave neurons out (a calibrated split's shared expert holds them)
     size = i // experts if groups is None else len(groups[0])
@@ -243,7 +270,7 @@ def build_block(ffn: DenseFFN, experts: int, top_k: int, capacity_factor: float,
                        gate_weighting="unit", **common)
     block = MoEBlock(config).to(dtype=ffn.w_in.dtype, device=ffn.w_in.device)
     if groups is None:
-        groups = _neuron_groups(ffn, experts, seed)
+        groups = _neuron_groups(ffn, experts, ffn_seed(seed, index))
     w_in = ffn.w_in.reshape(-1, i, h)  # [1 or 2 (gate, up), I, H]
     with torch.no_grad():
         ex = block.experts
@@ -282,12 +309,13 @@ def moeize(model: nn.Module, experts: int = EXPERTS, top_k: int = TOP_K, capacit
     if not found:
         why = f" ({'; '.join(skipped)})" if skipped else ""
         raise MoECompileError(f"no FFN found in {type(model).__name__}{why}")
-    chosen = [found[i] for i in parse_layers(layers, len(found))]
-    if not chosen:
+    indices = parse_layers(layers, len(found))
+    if not indices:
         raise MoECompileError(f"--layers {layers!r} selects none of the {len(found)} FFNs")
-    check_ffns(chosen, experts, method)
-    for n, ffn in enumerate(tqdm(chosen, desc=f"moeize ({method})", unit="layer", disable=not progress)):
-        block = build_block(ffn, experts, top_k, capacity_factor, method, noise, seed + n)
+    check_ffns([found[i] for i in indices], experts, method)
+    for index in tqdm(indices, desc=f"moeize ({method})", unit="layer", disable=not progress):
+        ffn = found[index]
+        block = build_block(ffn, experts, top_k, capacity_factor, method, noise, seed, index=index)
         block.train(model.training)
         model.set_submodule(ffn.owner, block)
         for path in ffn.identity:

@@ -1,6 +1,7 @@
 """Streaming upcycle of a dense Hugging Face checkpoint folder into its family's native HF MoE architecture.
 
     LlamaForCausalLM, MistralForCausalLM -> MixtralForCausalLM      (every layer MoE)
+    Qwen2ForCausalLM                     -> Qwen2MoeForCausalLM     (layers left dense go to mlp_only_layers)
     Qwen3ForCausalLM                     -> Qwen3MoeForCausalLM     (layers left dense go to mlp_only_layers)
 
 The model is never materialised: the source safetensors headers give every output tensor's name, shape and dtype
@@ -12,9 +13,11 @@ Tensors use the layout Hugging Face publishes and `save_pretrained` writes (Mixt
 `block_sparse_moe.experts.{e}.w1/w2/w3` and `block_sparse_moe.gate`; Qwen3-MoE: `mlp.experts.{e}.gate_proj/...`
 and `mlp.gate`), which transformers 5 fuses on load and transformers 4, vLLM and llama.cpp read as they are.
 
-Upcycle: every expert is a copy of the dense FFN and the router a small random matrix. Both native blocks renormalise
-the top-k weights to sum to one (Mixtral always, Qwen3-MoE with norm_topk_prob=True) and drop no token, so the
-converted model computes the dense model's function exactly (up to rounding) until it is trained.
+Upcycle: every expert is a copy of the dense FFN and the router a small random matrix. The native blocks renormalise
+the top-k weights to sum to one (Mixtral always, Qwen2/3-MoE with norm_topk_prob=True) and drop no token, so the
+converted model computes the dense model's function exactly (up to rounding) until it is trained. Qwen2-MoE adds a
+shared expert scaled by sigmoid(shared_expert_gate(x)) > 0: it is written empty (shared_expert_intermediate_size 0,
+zero-size tensors), so it adds exactly 0 and costs nothing; a zero shared expert of any size would cost a dense FFN.
 
     python -m moecompile.conversion.native SOURCE OUT --experts 8 [--top-k 2] [--dtype bf16] [--max-shard-size 5GB]
 """
@@ -24,19 +27,19 @@ import json
 import os
 import re
 import shutil
-import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from moecompile.conversion.moeize import ROUTER_STD, parse_layers, upcycle_copy, upcycle_router
 from moecompile.errors import MoECompileError
 from moecompile.io.checkpoint import (
     DEFAULT_SHARD_SIZE,
-    WEIGHTS,
+    GENERATION_CONFIG,
+    NATIVE_RECORD,
     WEIGHTS_INDEX,
     atomic_directory,
     check_output_dir,
@@ -46,17 +49,11 @@ from moecompile.io.checkpoint import (
     weight_files,
     write_config,
 )
+from moecompile.io.stream import ST_DTYPES, TORCH_TO_ST, Entry, parse_size, read_tensor, shard, write_files
 from moecompile.ir import knobs
 
 FFN_PROJS = ("gate_proj", "up_proj", "down_proj")
-EXTRA_FILES = ("generation_config.json",)  # copied beside the tokenizer: generation defaults stay the source's
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-
-# safetensors dtype names <-> torch dtypes (the ones a language model checkpoint holds)
-ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -67,14 +64,19 @@ class Family:
     expert_names: dict  # dense projection -> the expert's projection name
     experts_key: str  # config key of the expert count
     per_layer_dense: bool  # can some layers keep their dense FFN?
+    shared_expert: bool = False  # Qwen2-MoE's sigmoid-gated shared expert, written empty
 
 
 MIXTRAL = Family("MixtralForCausalLM", "MixtralConfig", "block_sparse_moe",
                  {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}, "num_local_experts", False)
+QWEN2_MOE = Family("Qwen2MoeForCausalLM", "Qwen2MoeConfig", "mlp",
+                   {p: p for p in FFN_PROJS}, "num_experts", True, shared_expert=True)
 QWEN3_MOE = Family("Qwen3MoeForCausalLM", "Qwen3MoeConfig", "mlp",
                    {p: p for p in FFN_PROJS}, "num_experts", True)
-FAMILIES = {"LlamaForCausalLM": MIXTRAL, "MistralForCausalLM": MIXTRAL, "Qwen3ForCausalLM": QWEN3_MOE}
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FAMILIES = {"LlamaForCausalLM": MIXTRAL, "MistralForCausalLM": MIXTRAL, "Qwen2ForCausalLM": QWEN2_MOE,
+            "Qwen3ForCausalLM": QWEN3_MOE}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
 IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a buffer some old checkpoints stored: recomputed on load
 # config keys never copied from the source: identity of the source model, or set by the conversion
 NOT_COPIED = {"architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
@@ -97,20 +99,11 @@ class NativeResult:
 
 
 @dataclass
-class _Tensor:  # one output tensor of the plan
-    name: str
-    shape: tuple
-    dtype: str  # safetensors dtype name of the output
+class _Tensor(Entry):  # one output tensor of the plan
     source: str | None = None  # source tensor copied (and cast) into it
     router_layer: int | None = None  # or: the router of this layer, generated
+    zeros: bool = False  # or: zeros (Qwen2-MoE's empty shared expert and its gate)
     noise_key: tuple | None = None  # (layer, projection, expert) of an expert copy that gets its own noise
-    nbytes: int = field(init=False)
-
-    def __post_init__(self):
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        self.nbytes = numel * ST_DTYPES[self.dtype].itemsize
 
 
 # --------------------------------------------------------------------------------------------------- support check
@@ -186,8 +179,6 @@ def native_target(config, layers=None) -> str | None:
 
 
 def _select_layers(layers, n: int) -> list[int]:
-    from moecompile.conversion.moeize import parse_layers
-
     selected = parse_layers(layers, n)
     if not selected:
         raise MoECompileError(f"no layers selected by {layers!r}: nothing to upcycle")
@@ -218,8 +209,12 @@ def native_config(config, experts: int, top_k: int, layers=None, dtype: str | No
     else:
         kwargs.update(moe_intermediate_size=cfg["intermediate_size"], decoder_sparse_step=1, norm_topk_prob=True,
                       mlp_only_layers=[i for i in range(n) if i not in selected])
+    if family is QWEN3_MOE:
         sliding = "sliding_attention" in (cfg.get("layer_types") or [])
         kwargs.update(use_sliding_window=sliding, sliding_window=cfg.get("sliding_window") if sliding else None)
+    if family is QWEN2_MOE:  # same attention as Qwen2 (q/k/v biases, per-layer sliding windows); empty shared expert
+        kwargs.update(qkv_bias=True, shared_expert_intermediate_size=0, layer_types=cfg["layer_types"],
+                      max_window_layers=cfg["max_window_layers"])
     try:
         out = cls(**kwargs).to_dict()
     except Exception as e:  # noqa: BLE001 - transformers' validation of a field: the user's config is at fault
@@ -232,22 +227,6 @@ def native_config(config, experts: int, top_k: int, layers=None, dtype: str | No
 
 
 # ------------------------------------------------------------------------------------------------- source reading
-
-def parse_size(size: str | int) -> int:
-    """Bytes of a shard size as Hugging Face writes it: 5GB (10**9), 500MB, 2GiB (2**30), 1000 (bytes)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size), re.IGNORECASE)
-        if not m:
-            raise MoECompileError(f"bad shard size {size!r}: use e.g. 5GB, 500MB, 2GiB or a byte count")
-        unit = (m.group(2) or "B").upper()
-        scale = 1 if unit == "B" else (1024 if "I" in unit else 1000) ** ("KMGT".index(unit[0]) + 1)
-        value = int(float(m.group(1)) * scale)
-    if value <= 0:
-        raise MoECompileError(f"shard size must be positive, got {size!r}")
-    return value
-
 
 def source_tensors(directory: Path) -> dict[str, tuple[Path, tuple, str]]:
     """name -> (file, shape, safetensors dtype) of every tensor of a checkpoint folder, from the headers alone. A
@@ -318,10 +297,14 @@ def _plan(tensors: dict, family: Family, selected: list[int], experts: int, out_
         proj = name[m.end():].removeprefix("mlp.").removesuffix(".weight") if m else None
         if m and int(m.group(1)) in moe and name == f"{m.group(0)}mlp.{proj}.weight" and proj in FFN_PROJS:
             block = f"{m.group(0)}{family.moe_prefix}"
-            if proj == FFN_PROJS[0]:  # the router, before the experts of its layer
+            if proj == FFN_PROJS[0]:  # the router (and an empty shared expert), before the experts of its layer
                 hidden = shape[1]
                 plan.append(_Tensor(f"{block}.gate.weight", (experts, hidden), dtype_of(st),
                                     router_layer=int(m.group(1))))
+                if family.shared_expert:
+                    plan += [_Tensor(f"{block}.shared_expert.{p}.weight", (hidden, 0) if p == "down_proj" else
+                                     (0, hidden), dtype_of(st), zeros=True) for p in FFN_PROJS]
+                    plan.append(_Tensor(f"{block}.shared_expert_gate.weight", (1, hidden), dtype_of(st), zeros=True))
             for e in range(experts):
                 plan.append(_Tensor(f"{block}.experts.{e}.{family.expert_names[proj]}.weight", shape, dtype_of(st),
                                     source=name, noise_key=(int(m.group(1)), FFN_PROJS.index(proj), e)))
@@ -334,18 +317,6 @@ def _natural_key(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
-def _shards(plan: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:
-    shards, size = [[]], 0
-    for t in plan:
-        if shards[-1] and size + t.nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += t.nbytes
-    # within a file, larger elements first (as safetensors does) so every tensor starts aligned to its element size
-    return [sorted(s, key=lambda t: -ST_DTYPES[t.dtype].itemsize) for s in shards]
-
-
 class _Reader:
     """Reads plan tensors one at a time, keeping only the last one (the next expert copies it again)."""
 
@@ -355,70 +326,39 @@ class _Reader:
 
     def __call__(self, t: _Tensor) -> torch.Tensor:
         if self.noise > 0 and t.noise_key is not None:
-            base = self._read(t)
-            # seeded by (seed, layer, projection, expert): reproducible, and independent of the writing order
-            layer, proj, expert = t.noise_key
-            g = torch.Generator().manual_seed(((self.seed * 1_000_003 + layer) * 3 + proj) * 4099 + expert + 1)
-            w = base.float()
-            return (w + torch.randn(w.shape, generator=g) * (self.noise * w.std())).to(base.dtype)
+            return upcycle_copy(self._read(t), self.seed, *t.noise_key, self.noise)
         return self._read(t)
 
     def _read(self, t: _Tensor) -> torch.Tensor:
-        key = (t.source, t.router_layer, t.dtype)
+        key = (t.source, t.router_layer, t.zeros, t.shape, t.dtype)
         if self.last is not None and self.last[0] == key:
             return self.last[1]
         self.last = None  # free the previous tensor before reading the next one
-        if t.router_layer is not None:
-            # one generator per layer: a router depends on (seed, layer) only, not on the other layers chosen
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + t.router_layer)
-            value = (torch.randn(t.shape, generator=g, dtype=torch.float32) * self.router_std).to(ST_DTYPES[t.dtype])
+        if t.zeros:
+            value = torch.zeros(t.shape, dtype=ST_DTYPES[t.dtype])
+        elif t.router_layer is not None:
+            value = upcycle_router(self.seed, t.router_layer, *t.shape, self.router_std).to(ST_DTYPES[t.dtype])
         else:
-            path = self.tensors[t.source][0]
-            try:
-                with safe_open(str(path), framework="pt") as f:  # opened per tensor: no mapping outlives its read
-                    value = f.get_tensor(t.source)
-            except (SafetensorError, OSError, ValueError) as e:
-                raise MoECompileError(f"cannot read {t.source} from {path}: {e}") from None
-            value = value.to(ST_DTYPES[t.dtype])
+            value = read_tensor(self.tensors[t.source][0], t.source).to(ST_DTYPES[t.dtype])
         self.last = (key, value.contiguous())
         return self.last[1]
-
-
-def _write_shard(path: Path, entries: list[_Tensor], read: _Reader, bar) -> None:
-    """One safetensors file written tensor by tensor: the header (known from the plan) first, then each tensor's
-    bytes as soon as it is read, so a shard is never held in memory."""
-    header, offset = {}, 0
-    for t in entries:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    header["__metadata__"] = {"format": "pt"}
-    raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors pads it
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for t in entries:
-            value = read(t)
-            data = value.reshape(-1).view(torch.uint8).numpy() if value.numel() else b""
-            if len(data) != t.nbytes:
-                raise MoECompileError(f"{t.source}: read {len(data)} bytes, its header says {t.nbytes}")
-            f.write(data)
-            bar.update(t.nbytes)
 
 
 # ------------------------------------------------------------------------------------------------------ conversion
 
 def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: int, top_k: int = 2, layers=None,
                    seed: int = 0, dtype: str | torch.dtype | None = None,
-                   max_shard_size: str | int = DEFAULT_SHARD_SIZE, router_std: float = 0.02, noise: float = 0.0,
-                   progress: bool = True, record: dict | None = None) -> NativeResult:
+                   max_shard_size: str | int = DEFAULT_SHARD_SIZE, router_std: float = ROUTER_STD,
+                   noise: float = 0.0, fp8: bool = False, progress: bool = True,
+                   record: dict | None = None) -> NativeResult:
     """Upcycle the dense HF checkpoint folder `source` into `out` in its native HF MoE architecture (see
     native_support), streaming: every expert a copy of the dense FFN, routers normal(0, router_std) drawn from
     `seed`. `noise` > 0 adds normal noise of noise * std(W) to each expert copy of W (as moeize's upcycle does:
     breaks the symmetry of the copies, no longer exactly the dense model). `dtype` converts floating tensors while
-    streaming. `record` (how it was made: capacity factor, source, ...) goes into config.json's "moecompile" entry,
-    which transformers ignores and moecompile reads, and into the model card README.md. `out` appears complete or
-    not at all."""
+    streaming. `fp8` writes the experts in transformers' FineGrainedFP8 layout (moecompile.io.hf_fp8), quantised from
+    the copies (in the source's precision, before any `dtype` cast) as they stream. `record` (how it was made:
+    capacity factor, source, ...) goes into config.json's "moecompile" entry, which transformers ignores and
+    moecompile reads, and into the model card README.md. `out` appears complete or not at all."""
     start = time.perf_counter()
     source = Path(source)
     if not source.is_dir():
@@ -431,8 +371,7 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
     cfg = read_config(source)
     dtype_name = str(out_dtype).removeprefix("torch.") if out_dtype is not None else None
     config = native_config(cfg, experts, top_k, layers, dtype_name)  # validates family, layers, experts, top_k
-    if record:
-        config["moecompile"] = dict(record)
+    config[NATIVE_RECORD] = {"method": "upcycle", **(record or {})}  # also how moecompile.load recognises it
     family = FAMILIES[_architecture(cfg)]
     selected = _select_layers(layers, cfg["num_hidden_layers"])
     tensors = source_tensors(source)
@@ -441,46 +380,49 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
     if "dtype" not in config:  # the source config named none: that of the embeddings
         config["dtype"] = config["torch_dtype"] = str(ST_DTYPES[next(
             t.dtype for t in plan if t.name.endswith("embed_tokens.weight"))]).removeprefix("torch.")
-    shards = _shards(plan, max_bytes)
-    names = ([WEIGHTS] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    total = sum(t.nbytes for t in plan)
     read = _Reader(tensors, seed, router_std, noise)
+    written = plan
+    if fp8:
+        from moecompile.io.hf_fp8 import FP8Reader, fp8_entries, hf_quantization_config
+
+        # experts quantised from the source's precision, as convert --fp8 does before any --dtype rounding
+        written = [q for t in plan for q in (fp8_entries(replace(t, dtype=tensors[t.source][2]))
+                                             if t.noise_key is not None else [t])]
+        read = FP8Reader(read)
+        config["quantization_config"] = hf_quantization_config(config, source)
+    files = shard(written, max_bytes)
+    total = sum(t.nbytes for t in written)
     with atomic_directory(out) as tmp, tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                                             desc=f"upcycle -> {family.target}", disable=not progress) as bar:
-        for name, entries in zip(names, shards):
-            _write_shard(tmp / name, entries, read, bar)
-        read.last = None
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {t.name: n for n, s in zip(names, shards) for t in s}}
-            (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_files(tmp, files, read, bar)
         write_config(tmp, config)
         copy_tokenizer(source, tmp)
         (tmp / "README.md").write_text(_model_card(source, family.target, experts, top_k, selected, seed, noise,
-                                                   record or {}))
-        for extra in EXTRA_FILES:
-            if (source / extra).is_file():
-                shutil.copy2(source / extra, tmp / extra)
+                                                   router_std, fp8, record or {}))
+        if (source / GENERATION_CONFIG).is_file():  # generation defaults stay the source's
+            shutil.copy2(source / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
 
-    def params(entries):
-        return sum(t.nbytes // ST_DTYPES[t.dtype].itemsize for t in entries)
-
-    src = [_Tensor(k, shape, st) for k, (_, shape, st) in tensors.items()]
-    return NativeResult(Path(out), family.target, params(src), params(plan), total, len(shards), selected,
-                        time.perf_counter() - start)
+    source_params = sum(Entry(k, shape, st).numel for k, (_, shape, st) in tensors.items())
+    return NativeResult(Path(out), family.target, source_params, sum(t.numel for t in plan), total, len(files),
+                        selected, time.perf_counter() - start)
 
 
 def _model_card(source: Path, target: str, experts: int, top_k: int, selected: list[int], seed: int, noise: float,
-                record: dict) -> str:
+                router_std: float, fp8: bool, record: dict) -> str:
     exact = ("every expert a copy of the dense FFN and the top-k weights renormalised, so the model equals the dense "
              "one exactly while no token is dropped (transformers runs it dropless)" if not noise else
              f"every expert a copy of the dense FFN plus normal noise of {noise} x std(W): close to the dense model, "
              "not equal")
     lines = [f"# {target} upcycled from {record.get('source', source.name)}", "",
              f"Made with moecompile: each FFN of layers {_ranges(selected)} became a {target} sparse block of "
-             f"{experts} experts, top-{top_k}, softmax routing (routers drawn from normal(0, 0.02), seed {seed}); "
+             f"{experts} experts, top-{top_k}, softmax routing (routers drawn from normal(0, {router_std}), "
+             f"seed {seed}); "
              f"{exact}.", ""]
+    if fp8:
+        lines += ["The experts are stored in FP8 (float8_e4m3fn, 128x128 block scales, transformers' FineGrainedFP8 "
+                  "layout): close to the dense model, not equal.", ""]
+    if target == QWEN2_MOE.target:
+        lines += ["The shared expert is empty (shared_expert_intermediate_size 0): it adds exactly 0.", ""]
     if "capacity_factor" in record:
         lines += [f"Capacity factor chosen at conversion: {record['capacity_factor']} (config.json `moecompile`; "
                   "`moecompile.compile` applies it, transformers runs dropless).", ""]

@@ -1,5 +1,10 @@
 """Checkpoints: an HF-style folder (config.json with an `moe` section, safetensors weights, tokenizer files).
 
+config.json is the dense source model's Hugging Face config with model_type "moecompile" and architectures
+["MoECompileCheckpoint"]: transformers knows neither, so AutoModel* refuses the folder instead of building the dense
+model with freshly initialised FFNs. The source's own model_type and architectures are kept in `moe.source`; folders
+written before that (format_version 1, the source's model_type at the top) are read as they are.
+
 save() writes into a temporary sibling folder and renames it into place at the end, so a failed or interrupted
 run leaves no directory behind. load() builds the model from config.json alone (no pickle, no remote code),
 puts MoEBlocks where the `moe` section says, and fills every tensor from the safetensors files, refusing files
@@ -32,7 +37,12 @@ WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+GENERATION_CONFIG = "generation_config.json"  # copied beside the tokenizer by the streaming writers
 DEFAULT_SHARD_SIZE = "5GB"
+MODEL_TYPE = "moecompile"  # config.json model_type of moecompile's format (see the module docstring)
+ARCHITECTURE = "MoECompileCheckpoint"
+SOURCE_KEYS = ("model_type", "architectures")  # the source's identity, moved into moe.source
+FORMAT_VERSIONS = (1, layout.FORMAT_VERSION)  # 1: the source's model_type and architectures at the top
 NATIVE_RECORD = "moecompile"  # config.json entry of a native HF MoE checkpoint: how convert made it
 PARTIAL = ".partial"  # suffix of the temporary folder a save writes into
 
@@ -81,12 +91,11 @@ def save(model: nn.Module, directory: str | os.PathLike, tokenizer_dir: str | os
             save_model(model, str(tmp / WEIGHTS))
             config = {}
         bar.update()
-        config["moe"] = {"format_version": layout.FORMAT_VERSION, "blocks": blocks}
         if any("fp8" in b for b in blocks):
             from moecompile.ir.fp8 import quantization_config
 
             config["quantization_config"] = quantization_config(model)
-        write_config(tmp, config)
+        write_moe_config(tmp, config, {"blocks": blocks})
         bar.update()
         copy_tokenizer(tokenizer_dir, tmp)
         for name, data in (extra_files or {}).items():
@@ -139,6 +148,16 @@ def publish(tmp: Path, directory: Path) -> None:
 
 def write_config(directory: Path, config: dict) -> None:
     (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def write_moe_config(directory: Path, config: dict, moe: dict) -> None:
+    """config.json of a moecompile checkpoint from the source model's config (as save_pretrained writes it, or as
+    read_moe_config returns it) and the moe section's fields: the source's identity moves into moe.source."""
+    config = {k: v for k, v in config.items() if k != "moe"}
+    source = {k: config.pop(k) for k in SOURCE_KEYS if k in config}
+    config.update(model_type=MODEL_TYPE, architectures=[ARCHITECTURE],
+                  moe={**moe, "format_version": layout.FORMAT_VERSION, "source": source})
+    write_config(directory, config)
 
 
 def copy_tokenizer(source: str | os.PathLike | None, directory: Path) -> None:
@@ -214,41 +233,47 @@ def tensor_headers(files: list[Path]) -> dict[str, tuple[Path, tuple, str]]:
 
 
 def build_skeleton(config: dict, directory: Path) -> nn.Module:
-    """The dense HF model the checkpoint was converted from, built from its config (random weights)."""
+    """The dense HF model the checkpoint was converted from, built from its config as read_moe_config returns it
+    (random weights)."""
     import transformers
 
     architectures = config.get("architectures") or []
     cls = getattr(transformers, architectures[0], None) if architectures else None
     if cls is None:
         raise MoECompileError(f"{directory}: config.json names no transformers architecture to rebuild the model")
+    # moe and quantization_config are ours: the layout rebuilds the blocks, FP8 ones included
+    dense = {k: v for k, v in config.items() if k not in ("moe", "quantization_config")}
     try:
-        hf_config = transformers.AutoConfig.from_pretrained(directory)  # reads config.json only
-        for key in ("moe", "quantization_config"):  # ours: the layout rebuilds the blocks, FP8 ones included
-            if hasattr(hf_config, key):
-                delattr(hf_config, key)
+        hf_config = transformers.CONFIG_MAPPING[dense["model_type"]].from_dict(dense)  # as AutoConfig reads it
         return cls(hf_config)
     except Exception as e:  # noqa: BLE001
         raise MoECompileError(f"{directory}: cannot build {architectures[0]} from config.json: {e}") from None
 
 
-def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) -> None:
-    """Copy tensors into model, requiring an exact fit (tied parameters may be stored once)."""
+def check_fit(model: nn.Module, stored: dict[str, tuple[tuple, torch.dtype]], where: Path) -> None:
+    """Require the stored tensors (name -> (shape, dtype)) to fit model exactly (tied parameters may be stored once);
+    works on a model on the meta device, so a checkpoint can be checked from its headers alone."""
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {**params, **{n: b for n, b in model.named_buffers() if n in model.state_dict()}}
-    for key, t in tensors.items():
+    for key, (shape, dtype) in stored.items():
         if key not in expected:
             raise MoECompileError(f"checkpoint does not match its config: unexpected tensor {key} in {where}")
-        if tuple(expected[key].shape) != tuple(t.shape):
-            raise MoECompileError(f"checkpoint does not match its config: {key} has shape {tuple(t.shape)}, "
+        if tuple(expected[key].shape) != tuple(shape):
+            raise MoECompileError(f"checkpoint does not match its config: {key} has shape {tuple(shape)}, "
                                   f"config implies {tuple(expected[key].shape)}")
-        if torch.float8_e4m3fn in (t.dtype, expected[key].dtype) and t.dtype != expected[key].dtype:
-            raise MoECompileError(f"checkpoint does not match its config: {key} is {t.dtype}, config implies "
+        if torch.float8_e4m3fn in (dtype, expected[key].dtype) and dtype != expected[key].dtype:
+            raise MoECompileError(f"checkpoint does not match its config: {key} is {dtype}, config implies "
                                   f"{expected[key].dtype}")  # a cast to or from FP8 would ignore the scales
-    loaded_ids = {id(expected[k]) for k in tensors}
-    missing = [k for k, v in expected.items() if k not in tensors and id(v) not in loaded_ids]
+    loaded_ids = {id(expected[k]) for k in stored}
+    missing = [k for k, v in expected.items() if k not in stored and id(v) not in loaded_ids]
     if missing:
         raise MoECompileError(f"checkpoint does not match its config: {len(missing)} tensors missing, "
                               f"e.g. {missing[0]}")
+
+
+def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) -> None:
+    """Copy tensors into model, requiring an exact fit (check_fit)."""
+    check_fit(model, {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}, where)
     # the model's dtype: that of its float tensors other than FP8 weights and their float32 scales
     floats = [t.dtype for k, t in tensors.items()
               if t.is_floating_point() and t.element_size() > 1 and not k.endswith("_scale_inv")]
@@ -258,15 +283,21 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) 
 
 
 def read_moe_config(directory: Path) -> tuple[dict, dict]:
-    """config.json of a moecompile checkpoint and its validated `moe` section."""
+    """config.json of a moecompile checkpoint, with the source model's model_type and architectures back in place
+    (the dense model's config), and its validated `moe` section."""
     if not directory.is_dir():
         raise MoECompileError(f"no such checkpoint directory: {directory}")
     config = read_config(directory)
     moe = config.get("moe")
     if not isinstance(moe, dict) or not isinstance(moe.get("blocks"), list):
         raise MoECompileError(f"{directory} is not a moecompile checkpoint: config.json has no moe section")
-    if moe.get("format_version") != layout.FORMAT_VERSION:
+    if moe.get("format_version") not in FORMAT_VERSIONS:
         raise MoECompileError(f"{directory}: unsupported moe format_version {moe.get('format_version')!r}")
+    if config.get("model_type") == MODEL_TYPE:
+        source = moe.get("source")
+        if not isinstance(source, dict):
+            raise MoECompileError(f"{directory}: config.json has model_type {MODEL_TYPE!r} but no moe.source")
+        config = {**{k: v for k, v in config.items() if k not in SOURCE_KEYS}, **source}
     return config, moe
 
 

@@ -13,7 +13,6 @@ single-folder safetensors checkpoint that moecompile.load reads.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import warnings
@@ -104,10 +103,8 @@ def save(model: nn.Module, directory: str | os.PathLike, optimizer: torch.optim.
         tmp.mkdir(parents=True)
 
     def finish():
-        config = dict(model_config(model))
-        config["moe"] = {"format_version": layout.FORMAT_VERSION, "blocks": layout.get_layout(model),
-                         DCP_KEY: {"world_size": world, "tied": _tied_names(model)}}
-        checkpoint.write_config(tmp, config)
+        checkpoint.write_moe_config(tmp, model_config(model), {
+            "blocks": layout.get_layout(model), DCP_KEY: {"world_size": world, "tied": _tied_names(model)}})
         checkpoint.copy_tokenizer(tokenizer_dir, tmp)
         checkpoint.publish(tmp, directory)
 
@@ -177,10 +174,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> Path:
         raise MoECompileError(f"{source} holds no model tensors")
     _dcp_load(state, source, no_dist=True)
     tensors = {key[len(prefix):]: t.contiguous() for key, t in state.items()}
-    config = json.loads(json.dumps(config))
-    config["moe"] = {k: v for k, v in moe.items() if k != DCP_KEY}
     with checkpoint.atomic_directory(out) as tmp:
-        checkpoint.write_config(tmp, config)
+        checkpoint.write_moe_config(tmp, config, {k: v for k, v in moe.items() if k != DCP_KEY})
         save_file(tensors, str(tmp / checkpoint.WEIGHTS), metadata={"format": "pt"})
         checkpoint.copy_tokenizer(source, tmp)
     return Path(out)

@@ -23,7 +23,6 @@ from tqdm.auto import tqdm
 
 from moecompile.errors import MoECompileError
 from moecompile.io import checkpoint
-from moecompile.ir import layout
 from moecompile.ir.sharding import EXPERT_TENSORS, local_experts
 
 EP_KEY = "expert_parallel"
@@ -78,9 +77,7 @@ def model_config(model: nn.Module) -> dict:
 def write_common(directory: Path, config: dict, blocks: list[dict], world_size: int, dense: dict,
                  tokenizer_dir=None) -> None:
     """Everything but the expert shards: config.json, dense.safetensors, tokenizer files."""
-    config = dict(config)
-    config["moe"] = {"format_version": layout.FORMAT_VERSION, "blocks": blocks, EP_KEY: {"world_size": world_size}}
-    checkpoint.write_config(directory, config)
+    checkpoint.write_moe_config(directory, config, {"blocks": blocks, EP_KEY: {"world_size": world_size}})
     save_file(dense, str(directory / DENSE), metadata=SAFETENSORS_METADATA)
     checkpoint.copy_tokenizer(tokenizer_dir, directory)
 
@@ -163,10 +160,8 @@ def gather(source: str | os.PathLike, out: str | os.PathLike, progress: bool = T
     for name in sorted(names):
         tensors[name] = torch.cat([shard[name] for shard in shards])
     _check_experts(tensors, blocks, 1, source)
-    config = dict(config)
-    config["moe"] = {k: v for k, v in moe.items() if k != EP_KEY}
     with checkpoint.atomic_directory(out) as tmp:
-        checkpoint.write_config(tmp, config)
+        checkpoint.write_moe_config(tmp, config, {k: v for k, v in moe.items() if k != EP_KEY})
         save_file(tensors, str(tmp / checkpoint.WEIGHTS), metadata=SAFETENSORS_METADATA)
         checkpoint.copy_tokenizer(source, tmp)
     return Path(out)

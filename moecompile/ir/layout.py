@@ -13,7 +13,7 @@ from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import MoEConfig
 
 LAYOUT_ATTR = "moe_layout"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: config.json under model_type "moecompile" (moecompile.io.checkpoint)
 
 
 def get_layout(model: nn.Module) -> list[dict]:
