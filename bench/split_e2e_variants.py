@@ -42,8 +42,8 @@ def package_sentences(names=("torch", "transformers")) -> list[str]:
     """Docstring sentences of installed packages: the stdlib corpus's reader (files, filters, de-duplication) run on
     each package's folder, both of its splits."""
     site = Path(sysconfig.get_paths()["purelib"])
-    return [s for name in names for part in calib_data._stdlib_paragraphs(str(site / name)).values()
-            for s in calib_data.sentences(list(part))]
+    return [s for name in names for (kind, _), part in calib_data._stdlib_paragraphs(str(site / name)).items()
+            if kind == "docstrings" for s in calib_data.sentences(list(part))]
 
 
 def crops(texts: list[str], seed: int = 5) -> list[str]:

@@ -62,7 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--e2e-steps", type=int, default=1200,
                    help="end-to-end distillation steps on the last hidden state after the layer-wise stage "
                         "(default 1200)")
-    c.add_argument("--eval-sentences", type=int, default=256, help="held-out sentences for the report (0: none)")
+    c.add_argument("--eval-sentences", type=int, default=256,
+                   help="held-out sentences per evaluation source for the report (0: none)")
+    c.add_argument("--device", default="cpu", help="split: where calibration runs, e.g. cuda (default cpu); the "
+                                                   "checkpoint is the same either way")
     c.add_argument("--max-shard-size", default="5GB", help="shard model.safetensors above this size (default 5GB)")
     c.add_argument("--fp8", action="store_true",
                    help="store the experts in FP8 (float8_e4m3fn, 128x128 block scales); inference only")

@@ -230,6 +230,35 @@ def test_end_to_end_distillation_lowers_embedding_loss_and_is_deterministic(name
     assert all(p.requires_grad for p in runs[0].parameters())
 
 
+def test_end_to_end_judge_keeps_the_best_scoring_parameters_and_only_watches_otherwise():
+    batches, targets, split = _split_with_targets("tiny-bert", 48, 2000)
+    dense = tiny("tiny-bert")
+    held = T.token_batches(T.ByteTokenizer(dense.config.vocab_size),
+                           [f"held-out line {i}: {'xyz ' * (i % 7)} or not" for i in range(24)], 10**9, batch=8)
+    runs = {}
+    for select in ("select", None, "none"):
+        model = copy.deepcopy(split)
+        judge = E2E.Judge.of(dense, {"select": held[:2], "other": held[2:]}, every=4,
+                             select=select) if select != "none" else None
+        E2E.distill_end_to_end(model, batches, targets, steps=20, lr=3e-2, seed=0, progress=False, judge=judge)
+        runs[select] = (model, judge)
+    model, judge = runs["select"]
+    assert [h["step"] for h in judge.history] == [0, 4, 8, 12, 16, 20] and "other" in judge.history[0]
+    fresh = E2E.Judge.of(dense, {"select": held[:2]}, every=0).score(model, None)["select"]  # the block's forward
+    assert fresh == pytest.approx(max(h["select"] for h in judge.history), abs=1e-5)
+    # watching alone changes nothing: the same parameters as without a judge, its last score theirs
+    watched, plain = runs[None][0], runs["none"][0]
+    assert all(torch.equal(p, q) for p, q in zip(watched.state_dict().values(), plain.state_dict().values()))
+    last = E2E.Judge.of(dense, {"select": held[:2]}, every=0).score(plain, None)["select"]
+    assert last == pytest.approx(runs[None][1].history[-1]["select"], abs=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
+def test_calibration_device_cuda_without_cuda_is_an_error():
+    with pytest.raises(MoECompileError, match="CUDA"):
+        CF.CalibRun(recipe=CF.CalibConfig(experts=4, top_k=2), device="cuda")
+
+
 @pytest.mark.parametrize("name", ["tiny-bert", "tiny-gpt2"])
 def test_end_to_end_distillation_leaves_the_frozen_first_blocks_alone(name):
     batches, targets, split = _split_with_targets(name, 24, 1000)
@@ -276,13 +305,55 @@ def test_default_shared_experts_is_half_of_top_k_at_most_two_routed_and_valid():
         CF.CalibConfig(experts=16, top_k=k, shared_experts=CF.default_shared_experts(k))
 
 
-def test_stdlib_calibration_text_is_sentences():
+def test_stdlib_calibration_text_draws_on_every_kind_equally():
     from moecompile.calibration import data as calib_data
     from moecompile.calibration.report import calibration_texts
 
     texts = calibration_texts("stdlib")
-    assert len(texts) > 1000 and all(6 <= len(t.split()) <= 40 for t in texts)  # single sentences
-    assert set(texts) <= set(calib_data.sentences(calib_data.corpus("calib")))
+    assert len(texts) > 10000 and all(6 <= len(t.split()) <= 40 for t in texts)  # single sentences
+    kinds = {k: set(calib_data.sentences(calib_data.corpus("calib", k))) for k in calib_data.STDLIB_KINDS}
+    assert set(texts) <= set.union(*kinds.values())
+    head = texts[:900]  # any prefix (what a token budget takes) holds every kind about equally
+    for sents in kinds.values():
+        assert 250 <= sum(t in sents for t in head) <= 350
+    assert calibration_texts("stdlib") == texts and calibration_texts("stdlib", seed=1) != texts
+
+
+def test_calib_file_comes_first_and_the_stdlib_mix_fills_the_budget(tmp_path):
+    from moecompile.calibration.report import calibration_texts
+
+    own = [f"My own paragraph number {i} about routing tokens to experts." for i in range(20)]
+    path = tmp_path / "calib.txt"
+    path.write_text("\n\n".join(own) + "\n")
+    texts = calibration_texts(str(path))
+    assert sorted(texts[:20]) == sorted(own) and texts[20:] == calibration_texts("stdlib")
+    tok = T.ByteTokenizer(1000)  # ids are the UTF-8 bytes (the first 128): batches decode back to their texts
+
+    def decoded(budget):
+        return {bytes(row[m.bool()].tolist()).decode("utf-8", "ignore")
+                for b in T.token_batches(tok, texts, budget, shuffle=False)
+                for row, m in zip(b["input_ids"], b["attention_mask"])}
+    size = sum(len(t.encode()) for t in own)
+    assert decoded(size // 2) < set(own)  # a small budget: the file alone
+    big = decoded(3 * size)
+    mix = {t.encode()[:128].decode("utf-8", "ignore") for t in calibration_texts("stdlib")}
+    assert set(own) < big and big - set(own) <= mix  # more: the mix joins
+
+
+def test_vocabulary_substitution_replaces_content_words_at_the_rate():
+    from moecompile.calibration import data as calib_data
+
+    texts = calib_data.stdlib_mix("calib")[:400]
+    words = ["zebra", "quartz", "violin"]
+    out = calib_data.substituted(texts, words, 0.3, seed=3)
+    assert out == calib_data.substituted(texts, words, 0.3, seed=3)
+    pairs = [(a, b) for t, u in zip(texts, out) for a, b in zip(t.split(), u.split(), strict=True)]
+    eligible = [(a, b) for a, b in pairs if len(a) >= 4 and a.isalpha()]
+    changed = [b for a, b in eligible if a != b]
+    assert 0.25 < len(changed) / len(eligible) < 0.35 and set(changed) <= set(words)
+    assert all(a == b for a, b in pairs if not (len(a) >= 4 and a.isalpha()))
+    mix = calib_data.stdlib_mix("calib", words=words, rate=0.3)
+    assert 0.2 < sum(t not in set(texts) and any(w in t.split() for w in words) for t in mix[:400]) / 400 < 0.3
 
 
 @pytest.mark.parametrize("kw", [dict(shared_experts=4), dict(top_k=5), dict(partition="spectral"),
@@ -298,6 +369,7 @@ def test_cli_calibrated_split_writes_report(tmp_path, capsys, name, metric):
     rc = main(["convert", name, "--random-init", "--experts", "4", "--top-k", "2", "--method", "split",
                "--calib", "stdlib", "--calib-tokens", "600", "--shared-experts", "1", "--distill-steps", "2",
                "--router-steps", "2", "--e2e-steps", "2", "--eval-sentences", "32", "--capacity-factor", "0",
+               "--device", "cpu",
                "--out", str(out), "--no-progress"])
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
@@ -307,13 +379,17 @@ def test_cli_calibrated_split_writes_report(tmp_path, capsys, name, metric):
     assert report["config"]["e2e_steps"] == 2
     assert [r["top_k"] for r in report["curve"]] == [1, 2, 3, 4]
     assert [r["ffn_flop_fraction"] for r in report["curve"]] == pytest.approx([0.25, 0.5, 0.75, 1.0])
-    assert all(metric in r for r in report["curve"])
+    assert {"stdlib", "torch", "transformers", "readmes"} <= set(report["eval_sources"]) and report["in_domain"]
+    assert all(set(r["sources"]) == set(report["eval_sources"]) for r in report["curve"])
+    assert all(metric in q for r in report["curve"] for q in r["sources"].values())
+    assert [h["step"] for h in report["e2e_history"]] == [0, 2] and report["calibration"]["device"] == "cpu"
     assert len(report["layers"]) == 2
     for layer in report["layers"]:
         assert layer["flop_fraction"] == pytest.approx(0.5)
         assert len(layer["load"]) == 3 and sum(layer["load"]) == pytest.approx(1.0)
         assert layer["calib_relative_error"] >= 0
-    assert "ffn_flop_fraction" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "ffn_flop_fraction" in printed and all(name in printed for name in report["eval_sources"])
     assert moecompile.load(out, progress=False) is not None
 
 
@@ -337,8 +413,27 @@ def test_cli_calib_file_and_errors(tmp_path, capsys):
 def test_stdlib_corpus_splits_are_disjoint_and_deterministic():
     from moecompile.calibration import data as calib_data
 
-    calib, held = calib_data.corpus("calib"), calib_data.corpus("heldout")
-    assert len(calib) > 1000 and len(held) > 100
-    assert not set(calib) & set(held)
-    assert calib == calib_data.corpus("calib")
-    assert all(6 <= len(s.split()) <= 40 for s in calib_data.sentences(held))
+    for kind in calib_data.STDLIB_KINDS:
+        calib, select, held = (calib_data.corpus(s, kind) for s in calib_data.SPLITS)
+        assert len(calib) > 1000 and select and held
+        assert not set(calib) & set(held) and not set(calib) & set(select) and not set(select) & set(held)
+        assert calib == calib_data.corpus("calib", kind)
+    assert all(6 <= len(s.split()) <= 40 for s in calib_data.sentences(calib_data.corpus("heldout")))
+    with pytest.raises(MoECompileError):
+        calib_data.corpus("calib", "novels")
+
+
+def test_eval_sources_share_nothing_with_calibration_text():
+    from moecompile.calibration import data as calib_data
+
+    sources = calib_data.eval_sources(48, seed=1)
+    assert sources == calib_data.eval_sources(48, seed=1)
+    assert "stdlib" in sources and {"torch", "transformers", "readmes"} <= set(sources)
+    calib = {s for split in ("calib", "select") for k in calib_data.STDLIB_KINDS
+             for s in calib_data.sentences(calib_data.corpus(split, k), 1, 10**9)}
+    for name, texts in sources.items():
+        assert len(texts) == 48 and len(set(texts)) == 48, name
+        assert all(8 <= len(t.split()) <= 40 for t in texts) and not set(texts) & calib, name
+    # out of domain really is another package's text: none of it appears in the standard library's sources
+    stdlib = "\n".join(p for s in calib_data.SPLITS for k in calib_data.STDLIB_KINDS for p in calib_data.corpus(s, k))
+    assert not [t for n in ("torch", "transformers") for t in sources[n] if t in stdlib]

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from moecompile.calibration.config import CalibConfig
 from moecompile.calibration.dense import chunks, ffn_output
 from moecompile.calibration.distill import distill, train_router
-from moecompile.calibration.e2e import distill_end_to_end
+from moecompile.calibration.e2e import Judge, distill_end_to_end
 from moecompile.calibration.evaluate import relative_error
 from moecompile.calibration.partition import contribution_features, partition_neurons, split_block, weight_features
 from moecompile.calibration.router import fit_router_and_compensation
@@ -41,13 +41,14 @@ def calibrated_block(ffn: DenseFFN, x: torch.Tensor, cfg: CalibConfig, seed: int
     routed_k = cfg.routed_k(cfg.top_k)
     features = weight_features(ffn) if cfg.partition == "weights" else contribution_features(ffn, x)
     shared = None
-    rest = torch.arange(i)
+    rest = torch.arange(i, device=features.device)
     if cfg.shared_experts and cfg.shared_kind == "neurons":  # the most active neurons, always on
         shared = features.mean(1).topk(cfg.shared_experts * size).indices.sort().values
-        keep = torch.ones(i, dtype=torch.bool)
+        keep = torch.ones(i, dtype=torch.bool, device=features.device)
         keep[shared] = False
         rest = rest[keep]
-    groups = [rest[g] for g in partition_neurons(features[rest], cfg.routed_experts, cfg.partition, seed)]
+    groups = [rest[g.to(rest.device)]
+              for g in partition_neurons(features[rest], cfg.routed_experts, cfg.partition, seed)]
     block = split_block(ffn, groups, shared, max(routed_k, 1), cfg.capacity_factor, cfg.compensation)
     # the least-squares fits and the error stats need far fewer tokens than distillation: an evenly spaced subset
     step = max(1, x.shape[0] // FIT_TOKENS)
@@ -69,10 +70,11 @@ def calibrated_block(ffn: DenseFFN, x: torch.Tensor, cfg: CalibConfig, seed: int
 
 
 def calibrate_model(model: nn.Module, batches: list[dict], cfg: CalibConfig, layers=None,
-                    progress: bool = True) -> list[dict]:
+                    progress: bool = True, judge: Judge | None = None) -> list[dict]:
     """Replace the model's FFNs (those `layers` selects) by calibrated MoE blocks, in place; returns per-layer
     stats. FFN inputs (and, for `e2e_steps`, the dense last hidden states) come from one forward pass of the
-    dense model over the calibration batches."""
+    dense model over the calibration batches. `judge` (made from the dense model): held-out text the end-to-end
+    stage is scored on (distill_end_to_end)."""
     model.eval()
     found, skipped = find_dense_ffns(model)
     if not found:
@@ -98,6 +100,6 @@ def calibrate_model(model: nn.Module, batches: list[dict], cfg: CalibConfig, lay
         rows.append({"path": ffn.owner, **stats})
     if cfg.e2e_steps:
         distill_end_to_end(model, batches, targets, cfg.e2e_steps, cfg.e2e_lr, cfg.seed, progress,
-                           cfg.use_bf16(next(model.parameters()).device), cfg.e2e_frozen_fraction)
+                           cfg.use_bf16(next(model.parameters()).device), cfg.e2e_frozen_fraction, judge=judge)
         model.eval()
     return rows

@@ -28,6 +28,8 @@ class CalibConfig:
     e2e_steps: int = 0  # end-to-end steps (one calibration batch of sentences each) after the layer-wise stage
     e2e_lr: float = 3e-4
     e2e_frozen_fraction: float = 1 / 3  # the end-to-end stage leaves the first third of the blocks as they are
+    e2e_judge_every: int = 100  # score the end-to-end stage on the selection text every this many steps (0: never)
+    e2e_keep_best: bool = True  # keep the end-to-end parameters that scored best there, not the last ones
     bf16: bool | None = None  # distillation matmuls in bfloat16 autocast (weights and losses stay float32);
     # None: where bfloat16 is native (native_bf16)
     capacity_factor: float = 0.0
@@ -49,7 +51,7 @@ class CalibConfig:
                                       f"{self.experts}")
         if self.shared_kind not in ("neurons", "linear"):
             raise MoECompileError(f"shared_kind must be 'neurons' or 'linear', got {self.shared_kind!r}")
-        if self.router_steps < 0 or self.distill_steps < 0 or self.e2e_steps < 0:
+        if self.router_steps < 0 or self.distill_steps < 0 or self.e2e_steps < 0 or self.e2e_judge_every < 0:
             raise MoECompileError("router and distillation steps must be >= 0")
         if not 0 <= self.e2e_frozen_fraction < 1:
             raise MoECompileError(f"e2e_frozen_fraction must be in [0, 1), got {self.e2e_frozen_fraction}")
@@ -76,10 +78,15 @@ class CalibRun:
     eval_sentences: int = 256  # held-out sentences for the quality report (0: none)
     layers: str | None = None  # which FFNs (parse_layers syntax); None: all
     model_name: str = ""  # what the report calls the model
+    device: str = "cpu"  # where calibration runs (the model comes back to where it was)
+    select_sentences: int = 128  # selection sentences the end-to-end stage is judged on
+    vocab_rate: float = 0.0  # share of words replaced by vocabulary words in data.stdlib_mix's substituted part
 
     def __post_init__(self):
         if self.tokens < 1:
             raise MoECompileError(f"--calib-tokens must be positive, got {self.tokens}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise MoECompileError(f"--device {self.device}: CUDA is not available here")
 
     @classmethod
     def from_args(cls, a) -> CalibRun:
@@ -89,7 +96,7 @@ class CalibRun:
                              partition=a.partition, router_steps=a.router_steps, distill_steps=a.distill_steps,
                              e2e_steps=a.e2e_steps, capacity_factor=a.capacity_factor, seed=a.seed)
         return cls(recipe=recipe, source=a.calib, tokens=a.calib_tokens, eval_sentences=a.eval_sentences,
-                   layers=a.layers, model_name=a.model)
+                   layers=a.layers, model_name=a.model, device=a.device)
 
 
 def default_shared_experts(top_k: int) -> int:

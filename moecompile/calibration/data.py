@@ -1,32 +1,47 @@
-"""Text for calibration and evaluation that exists on every machine offline: the Python standard library's
-English docstrings (read with `ast` from the source files, nothing imported or downloaded).
+"""Text for calibration and evaluation that exists on every machine offline (nothing imported or downloaded).
 
-Modules are split by a hash of their top-level package name, so calibration and held-out text never come from
-the same package: `corpus("calib")` (about 90%) and `corpus("heldout")` (the rest), both deterministic for one
-Python installation. `read_text_file` turns the user's own file (`--calib FILE`) into paragraphs.
+Calibration reads only the Python standard library, three kinds of English prose in it: `docstrings` (with `ast`),
+`comments` (with `tokenize`) and `reference` (the language and library reference of `pydoc_data.topics`). Each
+unit is assigned by a stable hash of its top-level package (or reference topic) to `calib` (80%), `select` (10%:
+the text the end-to-end stage is judged on) or `heldout` (10%: the report's in-domain number).
+
+Evaluation (`eval_sources`) uses text that shares nothing with calibration: the held-out standard-library
+docstrings (in-domain), and out of domain the docstrings of moecompile's dependencies and the READMEs and licences
+in their *.dist-info folders. Calibration never reads a dependency's text, so that text stays fit for evaluation.
+`read_text_file` turns the user's own file (`--calib FILE`) into paragraphs.
 """
 from __future__ import annotations
 
 import ast
 import functools
 import hashlib
+import io
+import random
 import re
 import sysconfig
+import tokenize
 from pathlib import Path
 
 from moecompile.errors import MoECompileError
 
-HELDOUT_BUCKETS = 10  # one package in HELDOUT_BUCKETS goes to held-out text
+SPLIT_BUCKETS = 10  # hash bucket 0 of a package: held-out text, bucket 1: selection text, the rest: calibration
+SPLITS = ("calib", "select", "heldout")
+STDLIB_KINDS = ("docstrings", "comments", "reference")
+# out-of-domain evaluation: docstrings of these dependencies (the first of their files in a stable hash order)
+DEPENDENCY_DOCSTRINGS = ("torch", "transformers", "numpy", "networkx")
+EVAL_WORDS = (8, 40)  # evaluation sentences: 8-40 words
 # test suites and demo code hold few prose docstrings and many fixtures; idlelib/turtledemo are GUI code
-SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "lib2to3", "turtledemo", "__pycache__"}
+SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "lib2to3", "turtledemo", "__pycache__",
+             "testing"}
 _WORD = re.compile(r"[A-Za-z][a-z]+")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
+_MARKUP = re.compile(r"!?\[([^\]]*)\]\([^)]*\)|<[^>]+>|[*_`#>]+")  # markdown links and images, HTML tags, emphasis
 
 
 def split_of(package: str) -> str:
-    """'heldout' or 'calib' for a top-level package name: a stable hash, not Python's salted hash()."""
-    digest = hashlib.sha256(package.encode()).digest()
-    return "heldout" if digest[0] % HELDOUT_BUCKETS == 0 else "calib"
+    """'heldout', 'select' or 'calib' for a top-level package name: a stable hash, not Python's salted hash()."""
+    bucket = hashlib.sha256(package.encode()).digest()[0] % SPLIT_BUCKETS
+    return SPLITS[2] if bucket == 0 else SPLITS[1] if bucket == 1 else SPLITS[0]
 
 
 def _is_prose(text: str) -> bool:
@@ -63,46 +78,195 @@ def _docstrings(source: str) -> list[str]:
     return docs
 
 
-@functools.lru_cache(maxsize=2)
-def _stdlib_paragraphs(root: str) -> dict[str, tuple[str, ...]]:
-    """{split: paragraphs} over the stdlib below root, in sorted file order, duplicates removed."""
-    seen: set[str] = set()
-    out: dict[str, list[str]] = {"calib": [], "heldout": []}
-    base = Path(root)
+def _comments(source: str) -> list[str]:
+    """Runs of comment lines on consecutive lines, each joined into one paragraph."""
+    runs, run, last = [], [], -2
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type != tokenize.COMMENT:
+                continue
+            text = tok.string.lstrip("#!").strip()
+            if tok.start[0] != last + 1 and run:
+                runs.append(" ".join(run))
+                run = []
+            if text:
+                run.append(text)
+            last = tok.start[0]
+    except (tokenize.TokenError, SyntaxError, ValueError):
+        pass
+    if run:
+        runs.append(" ".join(run))
+    return [r for r in runs if _is_prose(r)]
+
+
+def _source_files(base: Path):
+    """(top-level package, path) of the .py files below base that hold prose, in sorted order."""
     for path in sorted(base.rglob("*.py")):
         rel = path.relative_to(base)
         if SKIP_DIRS.intersection(rel.parts[:-1]) or rel.parts[0].startswith(("site-packages", "config-")):
             continue
-        package = rel.parts[0].removesuffix(".py")
+        yield rel.parts[0].removesuffix(".py"), path
+
+
+@functools.lru_cache(maxsize=2)
+def _stdlib_paragraphs(root: str) -> dict[tuple[str, str], tuple[str, ...]]:
+    """{(kind, split): paragraphs} over the stdlib below root, in sorted file order, duplicates removed."""
+    seen: set[str] = set()
+    out: dict[tuple[str, str], list[str]] = {(k, s): [] for k in STDLIB_KINDS for s in SPLITS}
+
+    def add(kind, split, texts):
+        for text in texts:
+            if text not in seen:
+                seen.add(text)
+                out[(kind, split)].append(text)
+
+    base = Path(root)
+    for package, path in _source_files(base):
         try:
             source = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        for doc in _docstrings(source):
-            for text in _paragraphs(doc):
-                if text not in seen:
-                    seen.add(text)
-                    out[split_of(package)].append(text)
+        add("docstrings", split_of(package), [t for doc in _docstrings(source) for t in _paragraphs(doc)])
+        add("comments", split_of(package), _comments(source))
+    topics = base / "pydoc_data" / "topics.py"
+    if topics.exists():  # {topic: reference text}, a literal dict
+        try:
+            tree = ast.parse(topics.read_text(encoding="utf-8"))
+            table = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign))
+        except (SyntaxError, ValueError, StopIteration, OSError):
+            table = {}
+        for topic, text in sorted(table.items()):
+            add("reference", split_of(topic), _paragraphs(text))
     return {k: tuple(v) for k, v in out.items()}
 
 
-def corpus(split: str = "calib") -> list[str]:
-    """The standard library's docstring paragraphs of one split ('calib' or 'heldout')."""
-    if split not in ("calib", "heldout"):
-        raise MoECompileError(f"unknown corpus split {split!r}; expected 'calib' or 'heldout'")
+def corpus(split: str = "calib", kind: str = "docstrings") -> list[str]:
+    """The standard library's paragraphs of one kind (STDLIB_KINDS) and split (SPLITS)."""
+    if split not in SPLITS:
+        raise MoECompileError(f"unknown corpus split {split!r}; expected one of {', '.join(SPLITS)}")
+    if kind not in STDLIB_KINDS:
+        raise MoECompileError(f"unknown corpus kind {kind!r}; expected one of {', '.join(STDLIB_KINDS)}")
     paragraphs = _stdlib_paragraphs(sysconfig.get_paths()["stdlib"])
-    if not paragraphs["calib"] or not paragraphs["heldout"]:
+    if not paragraphs[("docstrings", "calib")] or not paragraphs[("docstrings", "heldout")]:
         raise MoECompileError("no docstrings found in the Python standard library sources; pass --calib FILE")
-    return list(paragraphs[split])
+    return list(paragraphs[(kind, split)])
 
 
 def sentences(paragraphs: list[str], min_words: int = 6, max_words: int = 40) -> list[str]:
-    """Single sentences of min_words..max_words words (held-out evaluation units)."""
+    """Single sentences of min_words..max_words words."""
     out = []
     for p in paragraphs:
         for s in _SENTENCE_END.split(p):
             if min_words <= len(s.split()) <= max_words and _is_prose(s):
                 out.append(s)
+    return out
+
+
+def interleave(parts: list[list[str]], seed: int = 0) -> list[str]:
+    """Each part shuffled, then one item of each in turn (a part that runs out drops out): any prefix of the result
+    draws about equally on every part."""
+    rng = random.Random(seed)
+    parts = [rng.sample(p, len(p)) for p in parts if p]
+    out = []
+    for i in range(max((len(p) for p in parts), default=0)):
+        out.extend(p[i] for p in parts if i < len(p))
+    return out
+
+
+def substituted(texts: list[str], words: list[str], rate: float, seed: int = 0) -> list[str]:
+    """Each text with about `rate` of its words of 4+ letters replaced by random `words` (the model's vocabulary):
+    the syntax of real text around words it does not hold."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) if len(w) >= 4 and w.isalpha() and rng.random() < rate else w
+                     for w in t.split()) for t in texts]
+
+
+def stdlib_mix(split: str = "calib", seed: int = 0, words: list[str] = (), rate: float = 0.0) -> list[str]:
+    """Single sentences of every standard-library kind of one split, and with `words` and a `rate` (substituted)
+    those sentences again with vocabulary words in, all interleaved (`interleave`)."""
+    parts = [sentences(corpus(split, kind)) for kind in STDLIB_KINDS]
+    if words and rate > 0:
+        parts.append(substituted([s for p in parts for s in p], list(words), rate, seed))
+    return interleave(parts, seed)
+
+
+def _dependencies() -> list[str]:
+    """moecompile's required distributions and theirs (extras left out), by name, sorted."""
+    from importlib import metadata
+
+    todo, seen = ["moecompile"], set()
+    while todo:
+        name = todo.pop()
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for req in requires:
+            if "extra ==" in req:
+                continue
+            dep = re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower().replace("_", "-")
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return sorted(seen)
+
+
+def _package_sentences(name: str, want: int) -> list[str]:
+    """Docstring sentences (EVAL_WORDS) of an installed package, its files read in a stable hash order until `want`
+    sentences: the first files of a large package (torch) are a fair sample of all of them."""
+    root = Path(sysconfig.get_paths()["purelib"]) / name
+    files = sorted((p for _, p in _source_files(root)), key=lambda p: hashlib.sha256(
+        str(p.relative_to(root)).encode()).digest())
+    out, seen = [], set()
+    for path in files:
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        for s in sentences([t for doc in _docstrings(source) for t in _paragraphs(doc)], *EVAL_WORDS):
+            if s not in seen:
+                seen.add(s)
+                out.append(s)
+        if len(out) >= want:
+            break
+    return out
+
+
+def _readme_sentences() -> list[str]:
+    """Sentences (EVAL_WORDS) of the long descriptions (READMEs) and licence files of moecompile's dependencies."""
+    from importlib import metadata
+
+    texts = []
+    for name in _dependencies():
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        texts.append(dist.metadata.get_payload() or dist.metadata.get("Description") or "")
+        for f in dist.files or []:
+            if ".dist-info/" in str(f) and re.search(r"LICEN[CS]E|COPYING", f.name, re.I):
+                try:
+                    texts.append(Path(f.locate()).read_text(encoding="utf-8", errors="replace"))
+                except OSError:
+                    continue
+    paragraphs = [_MARKUP.sub(r"\1", p) for t in texts for p in re.split(r"\n\s*\n", t)]
+    return list(dict.fromkeys(sentences(_paragraphs("\n\n".join(paragraphs)), *EVAL_WORDS)))
+
+
+def eval_sources(n: int, seed: int = 0) -> dict[str, list[str]]:
+    """Evaluation sentences, up to n per source, none of them in the calibration or selection text: `stdlib` (the
+    held-out packages' docstrings: in-domain), then out of domain each of DEPENDENCY_DOCSTRINGS that is installed
+    (its docstrings) and `readmes` (READMEs and licences of moecompile's dependencies)."""
+    seen = {s for split in SPLITS[:2] for kind in STDLIB_KINDS for s in sentences(corpus(split, kind), 1, 10**9)}
+    pools = {"stdlib": sentences(corpus("heldout"), *EVAL_WORDS)}
+    for name in DEPENDENCY_DOCSTRINGS:
+        pools[name] = _package_sentences(name, 4 * n)
+    pools["readmes"] = _readme_sentences()
+    out = {}
+    for name, pool in pools.items():
+        pool = [s for s in pool if s not in seen]
+        if pool:
+            out[name] = random.Random(seed).sample(pool, min(n, len(pool)))
     return out
 
 

@@ -36,7 +36,7 @@ def train_router(block: MoEBlock, x: torch.Tensor, steps: int, lr: float, batch:
     comp = block.compensation.detach().float() if block.compensation is not None else 0.0
     loss = torch.zeros(())
     for _ in tqdm(range(steps), desc=desc, unit="step", disable=not progress, leave=False):
-        idx = torch.randint(x.shape[0], (min(batch, x.shape[0]),), generator=gen)
+        idx = torch.randint(x.shape[0], (min(batch, x.shape[0]),), generator=gen).to(x.device)
         xb = x[idx]
         target = (expert_outputs(block, xb) - comp).norm(dim=-1)
         temp = target.std(dim=1, keepdim=True).clamp_min(1e-6)
@@ -58,7 +58,7 @@ def distill(block: MoEBlock, x: torch.Tensor, y: torch.Tensor, steps: int, top_k
     gen = torch.Generator().manual_seed(seed)
     loss = torch.zeros(())
     for step in tqdm(range(steps), desc=desc, unit="step", disable=not progress, leave=False):
-        idx = torch.randint(x.shape[0], (min(batch, x.shape[0]),), generator=gen)
+        idx = torch.randint(x.shape[0], (min(batch, x.shape[0]),), generator=gen).to(x.device)
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
             out = masked_forward(block, x[idx], top_ks[step % len(top_ks)])
         loss = ((out.float() - y[idx]).pow(2).sum(1) * weights[idx]).mean()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,42 @@ def embedding_loss(h: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) ->
     pooled = F.cosine_similarity((h * m).sum(1), (target * m).sum(1), dim=-1).mean()
     tokens = F.cosine_similarity(h[mask], target[mask], dim=-1).mean()
     return 2.0 - pooled - tokens
+
+
+def pooled(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean-pooled sentence embeddings [B, H] of hidden states [B, T, H] over the real tokens."""
+    m = mask.unsqueeze(-1).to(h.dtype)
+    return (h * m).sum(1) / m.sum(1).clamp_min(1)
+
+
+@dataclass
+class Judge:
+    """Text the end-to-end stage is scored on every `every` steps (and after the last): {name: (batches, the dense
+    model's pooled embeddings per batch)}. The parameters that scored best on `select` are the ones kept (None:
+    the last ones); `history` receives {"step", name: mean cosine, ...} rows."""
+    sets: dict[str, tuple[list[dict], list[torch.Tensor]]]
+    every: int
+    select: str | None = None
+    history: list[dict] = field(default_factory=list)
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, dense: nn.Module, sets: dict[str, list[dict]], every: int, select: str | None = None) -> Judge:
+        """Judge on batches of the dense `model` (before it is converted)."""
+        return cls({name: (batches, [pooled(last_hidden(dense, b), b["attention_mask"]) for b in batches])
+                    for name, batches in sets.items()}, every, select)
+
+    @torch.no_grad()
+    def score(self, model: nn.Module, prefix: _FrozenPrefix | None) -> dict[str, float]:
+        out = {}
+        for name, (batches, targets) in self.sets.items():
+            cos = []
+            for j, (enc, target) in enumerate(zip(batches, targets)):
+                if prefix is not None:
+                    prefix.batch = (name, j)
+                cos.append(F.cosine_similarity(pooled(last_hidden(model, enc), enc["attention_mask"]), target, dim=-1))
+            out[name] = torch.cat(cos).mean().item()
+        return out
 
 
 def frozen_layers(model: nn.Module, trained: MoEBlock, frozen: list[MoEBlock]) -> list[nn.Module]:
@@ -66,11 +103,13 @@ class _FrozenPrefix:
 
 def distill_end_to_end(model: nn.Module, batches: list[dict], targets: list[torch.Tensor], steps: int, lr: float,
                        seed: int, progress: bool = True, bf16: bool = False, frozen_fraction: float = 0.0,
-                       cache_frozen: bool = True) -> float:
+                       cache_frozen: bool = True, judge: Judge | None = None) -> float:
     """Adam on the parameters of the MoEBlocks at once (the rest of the model frozen, and the first
     `frozen_fraction` of the blocks in model order) so the converted model's last hidden state matches the dense
     model's (`targets`, one per batch); one random batch per step. `cache_frozen`: the layers in front of the
-    first trained block run once per batch (_FrozenPrefix)."""
+    first trained block run once per batch (_FrozenPrefix). `judge`: scores held-out text along the way and, with
+    its `select`, keeps the parameters that scored best on it (early stopping without stopping: the schedule runs
+    to its end)."""
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     if steps <= 0 or not blocks or not batches:
         return float("nan")
@@ -96,8 +135,19 @@ def distill_end_to_end(model: nn.Module, batches: list[dict], targets: list[torc
     sched = one_cycle(opt, lr, steps)
     gen = torch.Generator().manual_seed(seed)
     loss = torch.zeros(())
+    best = (-float("inf"), None)  # (score on judge.select, parameters)
+
+    def judge_now(step):
+        nonlocal best
+        scores = judge.score(model, prefix)
+        judge.history.append({"step": step, **scores})
+        if judge.select is not None and scores[judge.select] > best[0]:
+            best = (scores[judge.select], [p.detach().clone() for p in params])
+
     try:
-        for _ in tqdm(range(steps), desc="end-to-end distill", unit="step", disable=not progress):
+        for step in tqdm(range(steps), desc="end-to-end distill", unit="step", disable=not progress):
+            if judge is not None and judge.every > 0 and step % judge.every == 0:
+                judge_now(step)
             i = int(torch.randint(len(batches), (1,), generator=gen))
             if prefix is not None:
                 prefix.batch = i
@@ -106,6 +156,12 @@ def distill_end_to_end(model: nn.Module, batches: list[dict], targets: list[torc
             loss.backward()
             opt.step()
             sched.step()
+        if judge is not None:
+            judge_now(steps)
+            if best[1] is not None:
+                with torch.no_grad():
+                    for p, q in zip(params, best[1]):
+                        p.copy_(q)
     finally:
         if prefix is not None:
             prefix.restore()

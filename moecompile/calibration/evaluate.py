@@ -64,9 +64,11 @@ def quality(model: nn.Module, dense_outs: list, batches: list[dict]) -> dict:
     return {"mean_cosine": cos.mean().item(), "p5_cosine": torch.quantile(cos, 0.05).item()}
 
 
-def quality_curve(model: nn.Module, dense_outs: list, batches: list[dict], cfg: CalibConfig,
+def quality_curve(model: nn.Module, dense_outs: dict[str, list], batches: dict[str, list[dict]], cfg: CalibConfig,
                   dense_ffn_flops: int, progress: bool = True) -> list[dict]:
-    """Quality at every top_k from the shared experts' count (at least 1) to experts; restores the block k."""
+    """Quality on every evaluation source ({name: batches}, dense_outs alike) at every top_k from the shared
+    experts' count (at least 1) to experts: rows {top_k, ffn_flop_fraction, sources: {name: quality}}; restores the
+    blocks' k."""
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     saved = [b.config.top_k for b in blocks]
     rows = []
@@ -76,11 +78,25 @@ def quality_curve(model: nn.Module, dense_outs: list, batches: list[dict], cfg: 
             set_top_k(model, cfg.routed_k(k))  # 0: the shared expert alone
             flops = sum(ffn_flops(b.config, cfg.routed_k(k)) for b in blocks)
             rows.append({"top_k": k, "ffn_flop_fraction": flops / dense_ffn_flops,
-                         **quality(model, dense_outs, batches)})
+                         "sources": {name: quality(model, dense_outs[name], b) for name, b in batches.items()}})
     finally:
         for b, k in zip(blocks, saved):
             b.config.top_k = k
     return rows
+
+
+def headline(q: dict) -> tuple[str, float]:
+    """A quality dict's main number: (name, value), higher better for cosine, lower for perplexity."""
+    return ("mean_cosine", q["mean_cosine"]) if "mean_cosine" in q else ("perplexity", q["perplexity"])
+
+
+def worst_source(row: dict, skip: tuple[str, ...] = ()) -> tuple[str, float]:
+    """(source, headline value) of a curve row's worst source (lowest cosine, highest perplexity over dense's)."""
+    def badness(item):
+        q = item[1]
+        return -q["mean_cosine"] if "mean_cosine" in q else q["perplexity"] / q["dense_perplexity"]
+    name, q = max(((n, q) for n, q in row["sources"].items() if n not in skip), key=badness)
+    return name, headline(q)[1]
 
 
 def ffn_flops(c: MoEConfig, routed_k: int) -> int:

@@ -68,6 +68,7 @@ def _graph_partition(features: torch.Tensor, groups: int, seed: int, neighbours:
 
 def partition_neurons(features: torch.Tensor, groups: int, method: str, seed: int = 0) -> list[torch.Tensor]:
     """Split rows (neurons) into `groups` equal groups; returns each group's sorted neuron indices."""
+    features = features.cpu()  # sequential bookkeeping (greedy assignment, networkx): on the CPU
     n = features.shape[0]
     if n % groups:
         raise MoECompileError(f"cannot split {n} neurons into {groups} equal experts")
@@ -89,7 +90,7 @@ def split_block(ffn: DenseFFN, groups: list[torch.Tensor], shared: torch.Tensor 
     h = ffn.hidden_size
     config = MoEConfig(**{**base.config.to_dict(), "router_bias": True, "compensation": compensation,
                           "shared_expert_size": 0 if shared is None else len(shared)})
-    block = MoEBlock(config).to(dtype=torch.float32)
+    block = MoEBlock(config).to(dtype=torch.float32, device=ffn.w_in.device)
     _, unexpected = block.load_state_dict(base.state_dict(), strict=False)
     assert not unexpected, unexpected
     if shared is not None:

@@ -45,17 +45,18 @@ def fit_router_and_compensation(block: MoEBlock, x: torch.Tensor, top_k: int, ri
     n, h = x.shape
     x1 = torch.cat([x.float(), x.new_ones(n, 1)], 1)
     gram = x1.t() @ x1
-    gram += ridge * gram.diagonal()[:-1].mean() * torch.eye(h + 1)  # relative ridge, none on the intercept
+    # relative ridge, none on the intercept
+    gram += ridge * gram.diagonal()[:-1].mean() * torch.eye(h + 1, device=x.device)
     a = torch.cat([expert_activations(block, x[s]) for s in chunks(n, 1024)])  # [N, E, I]
     w_out = block.experts.w_out.float()  # [E, H, I]
-    b_out = block.experts.b_out.float() if block.experts.b_out is not None else torch.zeros(e, h)
+    b_out = block.experts.b_out.float() if block.experts.b_out is not None else torch.zeros(e, h, device=x.device)
     q, r = torch.linalg.qr(w_out)  # [E, H, K], [E, K, I]
     ra = torch.einsum("eki,tei->tek", r, a)
     logits = None
     for _ in range(rounds):
         if block.compensation is not None:
             if logits is None:  # first round: plain mean
-                sums, counts = a.sum(0), torch.full((e,), float(n))
+                sums, counts = a.sum(0), torch.full((e,), float(n), device=x.device)
             else:
                 skipped = 1.0 - _selection(logits, top_k)
                 sums, counts = torch.einsum("te,tei->ei", skipped, a), skipped.sum(0)
@@ -65,7 +66,7 @@ def fit_router_and_compensation(block: MoEBlock, x: torch.Tensor, top_k: int, ri
         d = b_out - (block.compensation.float() if block.compensation is not None else 0.0)  # [E, H]
         qd = torch.einsum("ehk,eh->ek", q, d)
         outside = (d - torch.einsum("ehk,ek->eh", q, qd)).pow(2).sum(1)  # the part of d w_out_e cannot reach
-        target = torch.empty(n, e)
+        target = torch.empty(n, e, device=x.device)
         for s in chunks(n):
             target[s] = ((ra[s] + qd).pow(2).sum(-1) + outside).sqrt()
         w = torch.linalg.solve(gram, x1.t() @ target)

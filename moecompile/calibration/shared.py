@@ -10,7 +10,8 @@ from moecompile.ir.config import MoEConfig
 
 def with_config(block: MoEBlock, **changes) -> MoEBlock:
     """A copy of block with config fields changed; parameters that keep their shapes are carried over."""
-    new = MoEBlock(MoEConfig(**{**block.config.to_dict(), **changes})).to(dtype=torch.float32)
+    device = next(block.parameters()).device
+    new = MoEBlock(MoEConfig(**{**block.config.to_dict(), **changes})).to(dtype=torch.float32, device=device)
     own = new.state_dict()
     new.load_state_dict({k: v for k, v in block.state_dict().items() if k in own and own[k].shape == v.shape},
                         strict=False)
@@ -23,13 +24,13 @@ def fit_linear_shared(block: MoEBlock, x: torch.Tensor, y: torch.Tensor, top_k: 
     neurons): reduced-rank least squares of what the routed top_k experts miss, y - block(x). Most of a GELU
     FFN's output is linear in its input; the top-k experts keep the nonlinear part of the selected neurons."""
     n, h = x.shape
-    residual = torch.empty(n, h)
+    residual = torch.empty(n, h, device=x.device)
     for s in chunks(n):
         residual[s] = y[s] - block(x[s], top_k=top_k).float()
     x_mean, r_mean = x.float().mean(0), residual.mean(0)
     xc = x.float() - x_mean
     gram = xc.t() @ xc
-    gram += 1e-6 * gram.diagonal().mean() * torch.eye(h)
+    gram += 1e-6 * gram.diagonal().mean() * torch.eye(h, device=x.device)
     coef = torch.linalg.solve(gram, xc.t() @ (residual - r_mean))  # [H, H]: full-rank fit
     _, _, vh = torch.linalg.svd(xc @ coef, full_matrices=False)  # principal directions of the fitted values
     v = vh[:rank]  # [r, H]

@@ -24,15 +24,30 @@ class ByteTokenizer:
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
         return {"input_ids": ids, "attention_mask": mask}
 
+    def words(self) -> list[str]:
+        return []
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer as token_batches calls it."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, texts: list[str], max_length: int) -> dict:
+        return dict(self.tok(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt"))
+
+    def words(self) -> list[str]:
+        """The vocabulary's whole words (no word pieces, special tokens or byte markers) of 3+ letters, sorted."""
+        return sorted(w for w in self.tok.get_vocab() if len(w) >= 3 and w.isascii() and w.isalpha())
+
 
 def load_tokenizer(directory, model: nn.Module):
     if directory is not None:
         try:
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(directory)
-            return lambda texts, max_length: dict(tok(texts, padding=True, truncation=True, max_length=max_length,
-                                                      return_tensors="pt"))
+            return HFTokenizer(AutoTokenizer.from_pretrained(directory))
         except Exception:  # noqa: BLE001 - no tokenizer files: fall back below
             pass
     log.warning("no tokenizer for this model: calibrating on UTF-8 bytes as token ids")
@@ -40,11 +55,12 @@ def load_tokenizer(directory, model: nn.Module):
 
 
 def token_batches(tokenize, texts: list[str], tokens: int, max_length: int = 128, batch: int = 32,
-                  seed: int = 0) -> list[dict]:
-    """Batches holding about `tokens` real tokens from texts (shuffled with seed), grouped by length so that
-    little compute goes to padding."""
+                  seed: int = 0, shuffle: bool = True, device: torch.device | str = "cpu") -> list[dict]:
+    """Batches on device holding about `tokens` real tokens from texts (shuffled with seed, else taken in their
+    order), grouped by length so that little compute goes to padding."""
     order = list(texts)
-    random.Random(seed).shuffle(order)
+    if shuffle:
+        random.Random(seed).shuffle(order)
     chosen, count = [], 0
     for start in range(0, len(order), 256):
         part = order[start:start + 256]
@@ -58,7 +74,8 @@ def token_batches(tokenize, texts: list[str], tokens: int, max_length: int = 128
             break
     chosen.sort(key=lambda p: p[0])
     texts = [t for _, t in chosen]
-    return [tokenize(texts[i:i + batch], max_length) for i in range(0, len(texts), batch)]
+    return [{k: v.to(device) for k, v in tokenize(texts[i:i + batch], max_length).items()}
+            for i in range(0, len(texts), batch)]
 
 
 def model_kwargs(model: nn.Module, enc: dict) -> dict:
@@ -90,7 +107,7 @@ def collect_ffn_inputs(model: nn.Module, owners: list[str], batches: list[dict],
             return
         t = t[at["mask"]]
         if key not in store:
-            store[key] = torch.empty(total, t.shape[-1])
+            store[key] = torch.empty(total, t.shape[-1], device=t.device)
         store[key][at["row"]:at["row"] + t.shape[0]] = t
 
     hooks = [model.get_submodule(o).register_forward_pre_hook(lambda m, args, o=o: keep((o, "in"), args[0]))
