@@ -91,6 +91,17 @@ def _rank_kernel(ids_ptr, rank_ptr, counts_ptr, n, num_bins, BLOCK: tl.constexpr
 
 
 @triton.jit
+def _copy_rows(x_ptr, rows_ptr, a, pos, amask, hidden: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """rows[pos] = x[token of assignment a] for the assignments in amask."""
+    src = x_ptr + (a // TOP_K).to(tl.int64)[:, None] * hidden
+    dst = rows_ptr + pos.to(tl.int64)[:, None] * hidden
+    for h0 in range(0, hidden, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        m = amask[:, None] & (cols < hidden)[None, :]
+        tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=m), mask=m)
+
+
+@triton.jit
 def _scatter_rows_kernel(x_ptr, ids_ptr, rank_ptr, base_ptr, order_ptr, rows_ptr, n, num_blocks,
                          hidden: tl.constexpr, TOP_K: tl.constexpr, RANK_BLOCK: tl.constexpr, BLOCK_A: tl.constexpr,
                          BLOCK_H: tl.constexpr):
@@ -102,12 +113,7 @@ def _scatter_rows_kernel(x_ptr, ids_ptr, rank_ptr, base_ptr, order_ptr, rows_ptr
     pos = tl.load(base_ptr + e * num_blocks + a // RANK_BLOCK, mask=amask, other=0) + \
         tl.load(rank_ptr + a, mask=amask, other=0)
     tl.store(order_ptr + pos, a.to(tl.int64), mask=amask)
-    src = x_ptr + (a // TOP_K).to(tl.int64)[:, None] * hidden
-    dst = rows_ptr + pos.to(tl.int64)[:, None] * hidden
-    for h0 in range(0, hidden, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        m = amask[:, None] & (cols < hidden)[None, :]
-        tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=m), mask=m)
+    _copy_rows(x_ptr, rows_ptr, a, pos, amask, hidden, TOP_K, BLOCK_H)
 
 
 @triton.jit
@@ -130,12 +136,7 @@ def _small_dispatch_kernel(x_ptr, ids_ptr, order_ptr, rows_ptr, offsets_ptr, n, 
         ends += tl.sum((ej <= experts[:, None]).to(tl.int32), axis=1)
     tl.store(offsets_ptr + experts, ends, mask=experts < num_experts)
     tl.store(order_ptr + pos, a.to(tl.int64), mask=amask)
-    src = x_ptr + (a // TOP_K).to(tl.int64)[:, None] * hidden
-    dst = rows_ptr + pos.to(tl.int64)[:, None] * hidden
-    for h0 in range(0, hidden, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        m = amask[:, None] & (cols < hidden)[None, :]
-        tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=m), mask=m)
+    _copy_rows(x_ptr, rows_ptr, a, pos, amask, hidden, TOP_K, BLOCK_H)
 
 
 def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
