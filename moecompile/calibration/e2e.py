@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from moecompile.calibration.distill import ADAM_OPTIONS, one_cycle
 from moecompile.calibration.masked import masked_forward
-from moecompile.calibration.tokens import last_hidden
+from moecompile.calibration.tokens import last_hidden, pooled
 from moecompile.ir.block import MoEBlock
 
 
@@ -21,12 +21,6 @@ def embedding_loss(h: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) ->
     pooled = F.cosine_similarity((h * m).sum(1), (target * m).sum(1), dim=-1).mean()
     tokens = F.cosine_similarity(h[mask], target[mask], dim=-1).mean()
     return 2.0 - pooled - tokens
-
-
-def pooled(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean-pooled sentence embeddings [B, H] of hidden states [B, T, H] over the real tokens."""
-    m = mask.unsqueeze(-1).to(h.dtype)
-    return (h * m).sum(1) / m.sum(1).clamp_min(1)
 
 
 @dataclass

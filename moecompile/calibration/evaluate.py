@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from moecompile.calibration.config import CalibConfig
 from moecompile.calibration.dense import chunks
-from moecompile.calibration.tokens import model_kwargs
+from moecompile.calibration.tokens import model_kwargs, pooled
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import MoEConfig
 
@@ -46,9 +46,7 @@ def model_outputs(model: nn.Module, batches: list[dict]) -> list:
             nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), enc["input_ids"][:, 1:], reduction="none")
             outs.append(("ppl", (nll * mask).sum().item(), mask.sum().item()))
         else:  # encoder: mean-pooled sentence embeddings
-            h = out.last_hidden_state.float()
-            m = enc["attention_mask"].unsqueeze(-1).float()
-            outs.append(("emb", (h * m).sum(1) / m.sum(1).clamp_min(1)))
+            outs.append(("emb", pooled(out.last_hidden_state.float(), enc["attention_mask"])))
     return outs
 
 

@@ -91,6 +91,12 @@ def last_hidden(model: nn.Module, enc: dict) -> torch.Tensor:
     return model(**model_kwargs(model, enc), output_hidden_states=True).hidden_states[-1].float()
 
 
+def pooled(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean-pooled sentence embeddings [B, H] of hidden states [B, T, H] over the real tokens."""
+    m = mask.unsqueeze(-1).to(h.dtype)
+    return (h * m).sum(1) / m.sum(1).clamp_min(1)
+
+
 @torch.no_grad()
 def collect_ffn_inputs(model: nn.Module, owners: list[str], batches: list[dict], progress: bool = True,
                        final: list | None = None, outputs: tuple[str, ...] = ()):
