@@ -32,7 +32,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from moecompile.conversion.moeize import ROUTER_STD, parse_layers, upcycle_copy, upcycle_router
 from moecompile.errors import MoECompileError
@@ -49,7 +48,7 @@ from moecompile.io.checkpoint import (
     weight_files,
     write_config,
 )
-from moecompile.io.stream import ST_DTYPES, TORCH_TO_ST, Entry, parse_size, read_tensor, shard, write_files
+from moecompile.io.stream import ST_DTYPES, TORCH_TO_ST, Entry, parse_size, read_tensor, shard, write_weights
 from moecompile.ir import knobs
 
 FFN_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -391,10 +390,8 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
         read = FP8Reader(read)
         config["quantization_config"] = hf_quantization_config(config, source)
     files = shard(written, max_bytes)
-    total = sum(t.nbytes for t in written)
-    with atomic_directory(out) as tmp, tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                                            desc=f"upcycle -> {family.target}", disable=not progress) as bar:
-        write_files(tmp, files, read, bar)
+    with atomic_directory(out) as tmp:
+        total = write_weights(tmp, files, read, f"upcycle -> {family.target}", progress)
         write_config(tmp, config)
         copy_tokenizer(source, tmp)
         (tmp / "README.md").write_text(_model_card(source, family.target, experts, top_k, selected, seed, noise,

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from tqdm.auto import tqdm
 
 from moecompile.errors import MoECompileError
 from moecompile.io import checkpoint, stream
@@ -91,10 +90,8 @@ def quantize_checkpoint(source: str | Path, out: str | Path, progress: bool = Tr
         raise MoECompileError(f"no per-expert weights (<...>.experts.<e>.<proj>.weight) in {source}: not a "
                               "Hugging Face MoE checkpoint")
     qconfig = hf_quantization_config(config, source)
-    total = sum(t.nbytes for entries in files.values() for t in entries)
-    with checkpoint.atomic_directory(out) as tmp, tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                                                       desc="fp8", disable=not progress) as bar:
-        stream.write_files(tmp, list(files.items()), FP8Reader(stream.read_copy), bar)
+    with checkpoint.atomic_directory(out) as tmp:
+        stream.write_weights(tmp, list(files.items()), FP8Reader(stream.read_copy), "fp8", progress)
         checkpoint.write_config(tmp, {**config, "quantization_config": qconfig})
         for f in source.iterdir():
             if f.is_file() and f.name not in (checkpoint.CONFIG, checkpoint.WEIGHTS_INDEX) \

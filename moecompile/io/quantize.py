@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from moecompile.errors import MoECompileError
 from moecompile.io import checkpoint, stream
@@ -43,10 +42,8 @@ def quantize_checkpoint(source: str | Path, out: str | Path, max_shard_size: str
     experts = {f"{b['path']}.experts.{name}" for b in blocks for name in QUANTIZED}
     plan = [q for t in plan for q in (fp8_entries(t) if t.name in experts else [t])]
     files = stream.shard(plan, max_bytes)
-    total = sum(t.nbytes for t in plan)
-    with checkpoint.atomic_directory(out) as tmp, tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                                                       desc="fp8", disable=not progress) as bar:
-        stream.write_files(tmp, files, FP8Reader(stream.read_copy), bar)
+    with checkpoint.atomic_directory(out) as tmp:
+        stream.write_weights(tmp, files, FP8Reader(stream.read_copy), "fp8", progress)
         checkpoint.write_moe_config(tmp, {**config, "quantization_config": qconfig}, {**moe, "blocks": blocks})
         checkpoint.copy_tokenizer(source, tmp)
         if (source / checkpoint.GENERATION_CONFIG).is_file():  # what save_pretrained writes beside the config

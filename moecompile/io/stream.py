@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
 
 from moecompile.errors import MoECompileError
 from moecompile.io.checkpoint import WEIGHTS, WEIGHTS_INDEX, tensor_headers
@@ -114,6 +115,14 @@ def write_files(directory: Path, files: list[tuple[str, list[Entry]]], read: Cal
                  "weight_map": {t.name: name for name, entries in files for t in entries}}
         (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return total
+
+
+def write_weights(directory: Path, files: list[tuple[str, list[Entry]]], read: Callable[[Entry], torch.Tensor],
+                  desc: str, progress: bool = True) -> int:
+    """write_files under a progress bar in bytes; returns the bytes of tensor data written."""
+    total = sum(t.nbytes for _, entries in files for t in entries)
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not progress) as bar:
+        return write_files(directory, files, read, bar)
 
 
 def write_file(path: Path, entries: list[Entry], read: Callable[[Entry], torch.Tensor], bar=None) -> None:
