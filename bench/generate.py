@@ -52,8 +52,9 @@ MODES = ("hf-eager", "hf-experts-mc", "hf-inductor", "hf-moecompile", "moecompil
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
-def build(name: str, tiny: bool, device: str, dtype: torch.dtype):
-    config_cls, model_cls, layers, sizes = MODELS[name]
+def build(name: str, tiny: bool, device: str, dtype: torch.dtype, layers: int | None = None):
+    config_cls, model_cls, default_layers, sizes = MODELS[name]
+    layers = layers or default_layers
     config_type = getattr(transformers, config_cls)
     if tiny:
         sizes = {**sizes, **{k: v for k, v in TINY.items() if k in sizes}}
@@ -203,6 +204,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="small widths (a smoke run)")
+    parser.add_argument("--layers", type=int, help="layers of every model (default: each model's in MODELS)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--out")
@@ -226,7 +228,7 @@ def main(argv=None) -> int:
     print("\n".join(header), flush=True)
     rows, profiles = [], []
     for name in args.models.split(","):
-        model = build(name, args.tiny, device, dtype)
+        model = build(name, args.tiny, device, dtype, args.layers)
         for batch in [int(b) for b in args.batches.split(",")]:
             ids = torch.randint(0, model.config.vocab_size, (batch, args.prompt),
                                 generator=torch.Generator().manual_seed(batch)).to(device)

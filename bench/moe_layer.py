@@ -115,8 +115,7 @@ VARIANTS = {"persistent": ("triton_persistent", "triton_persistent"),
             "persistent + grouped_mm": ("triton_persistent", "grouped_mm"),
             "tma": ("triton_tma", "triton_tma"), "grouped_mm": ("grouped_mm", "grouped_mm"), "auto": ("auto", "auto")}
 
-
-TIMED = tuple(v for v in VARIANTS if v != "auto")  # "auto" only restores the runtime's own choice
+TIMED = tuple(VARIANTS)  # "auto", timed last, also leaves the runtime's own choice in place
 
 
 def use_variant(mc, name):
@@ -293,7 +292,8 @@ def main(argv=None):
         "with these kernels for the two expert projections (runtime/choices.py): persistent = the persistent Triton "
         "TMA grouped GEMM (bias + activation in its epilogue; gate and up rows in one TMA box), tma = the "
         "non-persistent one, grouped_mm = torch._grouped_mm (after the first projection a Triton activation "
-        "pass); graph = the fastest of them replayed from a CUDA graph; "
+        "pass), auto = the runtime's default for the shape (runtime/choices.py; triton_decode at decode); "
+        "graph = the fastest of them replayed from a CUDA graph; "
         "HF = MixtralSparseMoeBlock, experts_implementation grouped_mm; HF compile = "
         "the same under torch.compile (default mode); bare = the two torch._grouped_mm GEMMs alone on perfectly "
         "balanced routing. TF/s: useful FLOPs (6·T·k·d·f) over ours' best time. err: relative error vs a float32 "

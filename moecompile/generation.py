@@ -27,6 +27,7 @@ WARMUP_STEPS = 2  # uncaptured runs of the step before capture: autotuning and a
 # Dynamo keeps the compiled prefill and step of every Generator (one per model, batch size, length; prefill also per
 # prompt length) on the same two functions: room for that many, where its default limit is meant for one model.
 RECOMPILE_LIMIT = 256
+GREEDY_CHUNK = 1024  # vocabulary columns per first-stage program of the greedy choice
 
 
 def static_cache(model, max_length: int):
@@ -42,6 +43,18 @@ def static_cache(model, max_length: int):
         config.sliding_window = None
         config.layer_types = ["full_attention"] * config.num_hidden_layers
     return StaticCache(config=config, max_cache_len=max_length)
+
+
+def greedy_token(logits: torch.Tensor, chunk: int = GREEDY_CHUNK) -> torch.Tensor:
+    """logits.argmax(-1, keepdim=True) in two reductions, each row's vocabulary split into chunks: one reduction over
+    a whole large vocabulary runs on one GPU program per row. The first maximum wins, as in argmax."""
+    batch, vocab = logits.shape
+    if vocab <= chunk:
+        return logits.argmax(-1, keepdim=True)
+    padded = torch.nn.functional.pad(logits, (0, -vocab % chunk), value=float("-inf")).view(batch, -1, chunk)
+    best, where = padded.max(-1)
+    which = best.argmax(-1, keepdim=True)
+    return which * chunk + where.gather(-1, which)
 
 
 class Generator:
@@ -106,7 +119,7 @@ class Generator:
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                          use_cache=True, **{self._cache_arg: self.cache}, **self._extra)
         logits = out.logits[:, -1]
-        return logits.argmax(-1, keepdim=True), logits
+        return greedy_token(logits), logits
 
     def _decode_step(self, tokens, positions, column, out, mask):
         nxt, _ = self._forward(tokens, positions, mask)

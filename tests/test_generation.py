@@ -6,7 +6,7 @@ import torch
 from hf_moe import FAMILIES, tiny_moe, token_ids
 
 from moecompile.errors import MoECompileError
-from moecompile.generation import Generator, _stop_at_eos, generate, static_cache
+from moecompile.generation import Generator, _stop_at_eos, generate, greedy_token, static_cache
 
 NEW = 5
 NO_EOS = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -55,6 +55,19 @@ def test_full_length_cache_in_hf_generate_keeps_the_sliding_window():
     cache = static_cache(model, 14 + NEW)
     assert not any(getattr(layer, "is_sliding", False) for layer in cache.layers)
     assert torch.equal(_hf_greedy(model, ids, past_key_values=cache), _hf_greedy(model, ids))
+
+
+@pytest.mark.parametrize("vocab", [5, 1024, 1025, 32000, 151936])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_token_is_argmax(vocab, batch):
+    """The two-stage choice equals argmax, ties (the first maximum wins) and NaN (chosen, as argmax does) included."""
+    g = torch.Generator().manual_seed(vocab + batch)
+    logits = torch.randn(batch, vocab, generator=g).to(torch.bfloat16).round().float()  # many exact ties
+    assert torch.equal(greedy_token(logits), logits.argmax(-1, keepdim=True))
+    logits[:, vocab - 1] = logits.max() + 1
+    logits[0, vocab // 2] = float("nan")
+    assert torch.equal(greedy_token(logits), logits.argmax(-1, keepdim=True))
+    assert torch.equal(greedy_token(torch.full((batch, vocab), float("-inf"))), torch.zeros(batch, 1, dtype=torch.long))
 
 
 def test_stop_at_eos_pads_like_hf():

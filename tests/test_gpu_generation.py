@@ -45,15 +45,22 @@ def _model(family, dtype):
 @pytest.mark.parametrize("batch", [1, 16])
 def test_generate_cuda_graph(family, batch):
     """The captured decode step gives the tokens of the same compiled step run uncaptured; the compiled prompt's
-    logits are HF eager's (bf16). aot_eager: the moecompile passes and CUDA kernels without inductor's compile time."""
-    model = _model(family, torch.bfloat16)
+    logits (bf16) are those of HF eager in float32, and so is the first new token wherever float32's choice is not
+    a near-tie. Float32 is the reference because HF eager's own bf16 logits are further from it than ours on these
+    random tiny models (cosine 0.996 at batch 16), enough to flip a near-tie. aot_eager: the moecompile passes and
+    CUDA kernels without inductor's compile time."""
+    reference = tiny_moe(family).to("cuda").eval()
     ids = token_ids(batch=batch, length=7).cuda()
-    eager = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0, output_logits=True,
-                           return_dict_in_generate=True)
+    with torch.no_grad():
+        want = reference(ids).logits[:, -1]
+    model = _model(family, torch.bfloat16)
     gen = Generator(model, batch, 7 + NEW, options={"inductor": False})
     graphed = gen(ids, NEW)
-    assert _cos(gen.prefill_logits, eager.logits[0]) > 0.999
-    assert torch.equal(graphed[:, :8], eager.sequences[:, :8])
+    assert _cos(gen.prefill_logits, want) > 0.9999
+    top2 = want.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 1e-2
+    assert torch.equal(graphed[:, :7], ids)
+    assert torch.equal(graphed[clear, 7], want.argmax(-1)[clear])
     gen.cuda_graph = False
     assert torch.equal(gen(ids, NEW), graphed)
 

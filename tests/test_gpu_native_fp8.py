@@ -7,8 +7,15 @@ CPU straight into Mixtral with FP8 experts, then loaded by plain transformers on
 FP8 blocks times their scales (what the kernels should compute, up to activation quantisation), cosine >= 0.999, and
 with the dense bf16 model itself, cosine >= 0.995: on random weights e4m3's 3 mantissa bits alone cost that much
 (the FP8 math simulated in float32 on the CPU: 0.99917 with FP8 weights, 0.99879 with FP8 activations too).
+
+transformers fetches those kernels from the Hub (kernels-community/finegrained-fp8, through the `kernels` package). On
+a machine without the Hub, MOECOMPILE_FP8_KERNEL_DIR may name a folder holding that kernel's `finegrained_fp8`
+package: it is handed to transformers as the download would be.
 """
 import copy
+import importlib
+import os
+import sys
 
 import pytest
 import torch
@@ -22,13 +29,14 @@ def _hopper_or_newer() -> bool:
 
 
 @pytest.mark.skipif(not _hopper_or_newer(), reason="transformers' FP8 kernels need compute capability >= 8.9")
-def test_transformers_runs_native_fp8_upcycle_on_cuda(tmp_path):
+def test_transformers_runs_native_fp8_upcycle_on_cuda(tmp_path, monkeypatch):
     import transformers
     from transformers.integrations.finegrained_fp8 import FP8Experts
 
     from moecompile.conversion.native import upcycle_native
     from moecompile.ir.fp8_format import dequantize_blocks
 
+    _offline_kernel(monkeypatch)
     config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                                       num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
                                       max_position_embeddings=256)
@@ -61,3 +69,17 @@ def test_transformers_runs_native_fp8_upcycle_on_cuda(tmp_path):
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+
+
+def _offline_kernel(monkeypatch) -> None:
+    """Register a local copy of the Hub's finegrained-fp8 kernel where transformers' loader looks first."""
+    folder = os.environ.get("MOECOMPILE_FP8_KERNEL_DIR")
+    if not folder:
+        return
+    from transformers.integrations import finegrained_fp8, hub_kernels
+
+    monkeypatch.syspath_prepend(folder)
+    sys.modules.pop("finegrained_fp8", None)
+    kernel = importlib.import_module("finegrained_fp8")
+    monkeypatch.setitem(hub_kernels._KERNEL_MODULE_MAPPING, "finegrained-fp8", kernel)
+    monkeypatch.setattr(finegrained_fp8, "is_kernels_available", lambda *a, **k: True)
