@@ -30,7 +30,7 @@ FP8_BLOCK_KERNEL = settings.fp8_block_kernel()  # auto | cutlass | gluon | trito
 # Below this many rows per expert a batch is "decode": tiles are mostly empty and other kernels win.
 DECODE_ROWS_PER_EXPERT = 64
 # Below this many rows per expert an eager (uncompiled) call of the HF experts integration on CUDA runs HF's own
-# grouped_mm implementation: the host cost of launching Triton kernels outweighs what they save on the device.
+# small-batch implementation: the host cost of launching Triton kernels outweighs what they save on the device.
 EAGER_HF_ROWS_PER_EXPERT = 2
 EXPERT_GEMM_CONFIG = "expert_gemm.json"  # in moecompile.kernels' configs/
 

@@ -86,7 +86,7 @@ def test_hf_generate_with_backend_reduce_overhead(family, batch):
 
 
 @pytest.mark.parametrize("tokens,takes_hf", [(1, True), (64, False)])
-def test_eager_experts_integration_takes_hf_grouped_mm_for_small_batches(monkeypatch, tokens, takes_hf):
+def test_eager_experts_integration_takes_hf_for_small_batches(monkeypatch, tokens, takes_hf):
     from moecompile.runtime import choices
 
     decisions = []

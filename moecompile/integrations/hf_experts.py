@@ -77,12 +77,10 @@ def _verify(module, spec: dict) -> None:
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """HF experts forward on moecompile ops: dispatch -> experts -> combine (ids >= E are dropped slots). Small eager
-    CUDA batches take HF's grouped_mm implementation (runtime/choices.py says when)."""
+    CUDA batches take HF's own implementation for them (runtime/choices.py says when)."""
     if (hidden_states.is_cuda and not torch.compiler.is_compiling()
             and choices.eager_prefers_hf(top_k_index.numel(), self.num_experts)):
-        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-        return ALL_EXPERTS_FUNCTIONS["grouped_mm"](self, hidden_states, top_k_index, top_k_weights)
+        return _hf_small_batch_experts()(self, hidden_states, top_k_index, top_k_weights)
     spec = experts_spec(self)
     w_in = self.gate_up_proj if spec["gated"] else self.up_proj
     w_out = self.down_proj
@@ -96,6 +94,16 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     y = ops.expert_ffn(rows, offsets, w_in, b_in, w_out, b_out, spec["activation"], spec["gated"],
                        spec["interleaved"], spec["alpha"], spec["limit"])
     return ops.combine(y, order, top_k_weights)
+
+
+def _hf_small_batch_experts():
+    """HF's batched_mm, which HF's generate itself switches to for decoding on GPUs (grouped_mm where absent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    try:
+        return ALL_EXPERTS_FUNCTIONS["batched_mm"]
+    except KeyError:
+        return ALL_EXPERTS_FUNCTIONS["grouped_mm"]
 
 
 def register() -> bool:
