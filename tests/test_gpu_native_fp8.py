@@ -10,7 +10,8 @@ with the dense bf16 model itself, cosine >= 0.995: on random weights e4m3's 3 ma
 
 transformers fetches those kernels from the Hub (kernels-community/finegrained-fp8, through the `kernels` package). On
 a machine without the Hub, MOECOMPILE_FP8_KERNEL_DIR may name a folder holding that kernel's `finegrained_fp8`
-package: it is handed to transformers as the download would be.
+package as kernel-builder lays it out (the Triton sources of kernels-community's finegrained-fp8/torch-ext and the
+`_ops.py` naming its op namespace): it is handed to transformers as the download would be.
 """
 import copy
 import importlib
