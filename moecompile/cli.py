@@ -47,22 +47,22 @@ def _parser() -> argparse.ArgumentParser:
                    help="seed of everything random in the conversion: --random-init weights, routers, --noise")
     c.add_argument("--calib", default=None, metavar="SOURCE",
                    help="split: calibrate on text: 'stdlib' (Python standard library docstrings) or a text FILE")
-    c.add_argument("--calib-tokens", type=int, default=270000,
-                   help="calibration tokens (default 270000: about all of --calib stdlib's sentences)")
+    c.add_argument("--calib-tokens", type=int, default=knobs.CALIB_TOKENS,
+                   help=f"calibration tokens (default {knobs.CALIB_TOKENS}: about all of --calib stdlib's sentences)")
     c.add_argument("--shared-experts", type=int, default=None,
                    help="always-on expert-equivalents, counted in --top-k (default with --calib: --top-k // 2, "
                         "at most 2 routed beyond --top-k 4)")
     c.add_argument("--shared-kind", choices=("neurons", "linear"), default="neurons",
                    help="shared expert: the most active neurons, or a linear map of the same cost")
-    c.add_argument("--partition", choices=("kmeans", "graph", "random", "weights"), default="kmeans",
+    c.add_argument("--partition", choices=knobs.PARTITIONS, default="kmeans",
                    help="how neurons are grouped into experts (default kmeans on co-activation)")
     c.add_argument("--router-steps", type=int, default=0, help="router training steps after the least-squares fit")
-    c.add_argument("--distill-steps", type=int, default=1200, help="layer-wise distillation steps per FFN "
-                                                                    "(default 1200)")
-    c.add_argument("--e2e-steps", type=int, default=1200,
+    c.add_argument("--distill-steps", type=int, default=knobs.CALIB_DISTILL_STEPS,
+                   help=f"layer-wise distillation steps per FFN (default {knobs.CALIB_DISTILL_STEPS})")
+    c.add_argument("--e2e-steps", type=int, default=knobs.CALIB_E2E_STEPS,
                    help="end-to-end distillation steps on the last hidden state after the layer-wise stage "
-                        "(default 1200)")
-    c.add_argument("--eval-sentences", type=int, default=256,
+                        f"(default {knobs.CALIB_E2E_STEPS})")
+    c.add_argument("--eval-sentences", type=int, default=knobs.CALIB_EVAL_SENTENCES,
                    help="held-out sentences per evaluation source for the report (0: none)")
     c.add_argument("--device", default="cpu", help="split: where calibration runs, e.g. cuda (default cpu); the "
                                                    "checkpoint is the same either way")

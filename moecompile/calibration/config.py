@@ -6,8 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from moecompile.errors import MoECompileError
-
-PARTITIONS = ("kmeans", "graph", "random", "weights")
+from moecompile.ir.knobs import CALIB_EVAL_SENTENCES, CALIB_TOKENS, PARTITIONS
 
 
 @dataclass
@@ -74,8 +73,8 @@ class CalibRun:
     how to report, and the per-block recipe."""
     recipe: CalibConfig
     source: str = "stdlib"  # "stdlib" (standard-library docstring sentences) or a text file's path
-    tokens: int = 270000  # calibration tokens
-    eval_sentences: int = 256  # held-out sentences for the quality report (0: none)
+    tokens: int = CALIB_TOKENS  # calibration tokens
+    eval_sentences: int = CALIB_EVAL_SENTENCES  # held-out sentences for the quality report (0: none)
     layers: str | None = None  # which FFNs (parse_layers syntax); None: all
     model_name: str = ""  # what the report calls the model
     device: str = "cpu"  # where calibration runs (the model comes back to where it was)
