@@ -247,6 +247,22 @@ def test_hf_experts_implementation(family):
     _assert_rel_close(got, expected)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_small_batch_delegate_computes_our_experts(family):
+    """Small eager CUDA batches go to HF's own implementation: on the same routing it gives our experts' output."""
+    from moecompile.integrations import hf_experts
+
+    model = tiny_moe(family)
+    experts = next(m for name, m in model.named_modules() if name.endswith("mlp.experts"))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, model.config.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(experts.num_experts, generator=g)[:2] for _ in range(3)])
+    weights = torch.rand(3, 2, generator=g)
+    with torch.no_grad():
+        _assert_rel_close(hf_experts._hf_small_batch_experts()(experts, x, ids, weights),
+                          hf_experts.experts_forward(experts, x, ids, weights))
+
+
 def test_backend_recognises_blocks_already_on_moecompile_experts():
     model, ids = tiny_moe("tiny-gpt-oss"), token_ids()
     with torch.no_grad():
