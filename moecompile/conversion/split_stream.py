@@ -110,8 +110,8 @@ def _load_dtype(hf_config, tensors: dict, first_file: Path) -> torch.dtype:
     dtype = getattr(hf_config, "dtype", None)
     if dtype is not None:
         return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."))
-    floats = [ST_DTYPES[st] for path, _, st in tensors.values() if path == first_file and ST_DTYPES[st].is_floating_point]
-    return floats[0] if floats else torch.get_default_dtype()
+    floats = [ST_DTYPES[st] for path, _, st in tensors.values() if path == first_file]
+    return next((d for d in floats if d.is_floating_point), torch.get_default_dtype())
 
 
 class _Reader:
