@@ -187,7 +187,8 @@ def balanced_kmeans(features: torch.Tensor, clusters: int, iters: int = 10, seed
     Returns the group index per row. Deterministic for a given seed."""
     n = features.shape[0]
     size = n // clusters
-    x = torch.nn.functional.normalize(features.float(), dim=1)
+    x = features.to(torch.float32, copy=True)
+    torch.nn.functional.normalize(x, dim=1, out=x)  # in place: one float32 copy of the features at a time
     gen = torch.Generator().manual_seed(seed)
     centroids = x[torch.randperm(n, generator=gen)[:clusters]]
     assign = torch.empty(n, dtype=torch.long)
@@ -210,8 +211,9 @@ def balanced_kmeans(features: torch.Tensor, clusters: int, iters: int = 10, seed
 
 def _neuron_groups(ffn: DenseFFN, experts: int, seed: int) -> list[torch.Tensor]:
     i = ffn.intermediate_size
-    rows = ffn.w_in.reshape(-1, i, ffn.hidden_size).permute(1, 0, 2).reshape(i, -1)  # gate|up rows per neuron
-    features = torch.cat([rows, ffn.w_out.t()], dim=1)
+    # per neuron: its gate|up rows, then its output column (the rows' copy is freed once concatenated)
+    features = torch.cat([ffn.w_in.reshape(-1, i, ffn.hidden_size).permute(1, 0, 2).reshape(i, -1), ffn.w_out.t()],
+                         dim=1)
     assign = balanced_kmeans(features, experts, seed=seed)
     return [torch.nonzero(assign == e).flatten() for e in range(experts)]
 

@@ -110,8 +110,8 @@ def _load_dtype(hf_config, tensors: dict, first_file: Path) -> torch.dtype:
     dtype = getattr(hf_config, "dtype", None)
     if dtype is not None:
         return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).removeprefix("torch."))
-    floats = [ST_DTYPES[st] for path, _, st in tensors.values() if path == first_file]
-    return next((d for d in floats if d.is_floating_point), torch.get_default_dtype())
+    stored = [ST_DTYPES[st] for path, _, st in tensors.values() if path == first_file]
+    return next((d for d in stored if d.is_floating_point), torch.get_default_dtype())
 
 
 class _Reader:
@@ -137,8 +137,8 @@ class _Reader:
     def _build(self, layer: int) -> dict[str, torch.Tensor]:
         match = self.matches[layer]
         names = [n for r in match.linears for n in (r.weight, r.bias) if n is not None]
-        weights = {n: read_tensor(self.tensors[n][0], n).to(self.load) for n in names}
-        ffn = dense_ffn(weights, match, _ffn_path(layer))
+        # the read tensors die with this dict once dense_ffn has concatenated gate and up
+        ffn = dense_ffn({n: read_tensor(self.tensors[n][0], n).to(self.load) for n in names}, match, _ffn_path(layer))
         block = build_block(ffn, method=METHOD, index=layer, **self.knobs)
         return {f"{_ffn_path(layer)}.{k}": self._cast(v) for k, v in block.state_dict().items()}
 
