@@ -6,11 +6,12 @@ wall time and write throughput:
 - upcycle: into 8 experts (MixtralForCausalLM), streaming (moecompile.conversion.native.upcycle_native);
 - quantize: that Mixtral folder -> FP8 experts, FineGrainedFP8 layout, streaming (moecompile.io.hf_fp8);
 - upcycle --fp8: the source straight into the FP8 Mixtral, one streaming pass;
-- split (--split-sizes only): `convert --method split --format moecompile`, top-k = experts, which builds the model
-  in memory; then quantize of that moecompile checkpoint, streaming (moecompile.io.quantize).
+- split (--split-sizes only): `convert --method split --format moecompile`, top-k = experts, streaming one FFN at a
+  time (moecompile.conversion.split_stream); then quantize of that moecompile checkpoint, streaming
+  (moecompile.io.quantize).
 Each output is removed once measured, and the work folder at the end.
 
-    python bench/convert_scale.py --sizes 0.5B,1B,2B --split-sizes 0.5B --workdir /tmp/convert-scale
+    python bench/convert_scale.py --sizes 0.5B,1B,2B --split-sizes 0.5B,1B,2B --workdir /tmp/convert-scale
 """
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="0.5B,1B,2B", help=f"comma-separated, of {', '.join(SIZES)}")
-    p.add_argument("--split-sizes", default="", help="sizes that also run the in-memory split (default none)")
+    p.add_argument("--split-sizes", default="", help="sizes that also run the streaming split (default none)")
     p.add_argument("--workdir", default="/tmp/moecompile-convert-scale", help="scratch folder (removed at the end)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "convert-scale.md"))
     p.add_argument("--experts", type=int, default=8)
@@ -213,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         "- quantize: that Mixtral folder to FP8 experts in transformers' FineGrainedFP8 layout, streaming "
         "(`moecompile quantize --fp8`, `moecompile.io.hf_fp8`);",
         "- upcycle --fp8: the source straight into the FP8 Mixtral, one streaming pass (`convert --fp8`);",
-        f"- split: `convert --method split --top-k {a.experts} --format moecompile`, which loads the model, captures "
-        "it with torch.export and builds the blocks in memory; quantize (moecompile format): its output to FP8 "
-        "experts, streaming (`moecompile.io.quantize`).",
+        f"- split: `convert --method split --top-k {a.experts} --format moecompile`, streaming: each FFN read, "
+        "partitioned by the balanced k-means and written as its MoE block, the model never built "
+        "(`moecompile.conversion.split_stream`); quantize (moecompile format): its output to FP8 experts, streaming "
+        "(`moecompile.io.quantize`).",
         "",
         f"Commit: {commit}. Machine: {header}.",
         "",

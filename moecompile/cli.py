@@ -190,6 +190,9 @@ def convert(a) -> int:
             return _convert_native(a, directory, out, start)
         if a.format == "hf":
             raise MoECompileError(f"--format hf: {why_not_native}")
+    directory = _split_stream_source(a, models)
+    if directory is not None:
+        return _convert_split_stream(a, directory, out, start, why_not_native)
     torch.manual_seed(a.seed)  # --random-init weights and the routers' initialisation: one seed, reproducible output
     source = models.load_source(a.model, random_init=a.random_init, progress=progress)
     model = source.model.eval()
@@ -268,6 +271,50 @@ def _convert_native(a, directory, out, start: float) -> int:
     files = sorted(f for f in out.iterdir() if f.is_file())
     print(f"  wrote {len(files)} files, {r.output_bytes / 1e9:.2f} GB of weights in {r.shards} shard(s), to {out} in "
           f"{time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _split_stream_source(a, models):
+    """The checkpoint folder to stream an uncalibrated split from, or None: the in-memory path does the rest (a
+    --calib split, --fp8, --random-init, families whose FFNs are found only in the captured graph)."""
+    if a.method != "split" or a.calib is not None or a.fp8 or a.random_init:
+        return None
+    from moecompile.conversion.split_stream import split_support
+
+    directory = models.source_dir(a.model)
+    return directory if directory is not None and split_support(directory, a.layers)[0] else None
+
+
+def _split_equivalence(a) -> str:
+    """What a split's output is, said without running the model (the streaming path never builds it)."""
+    if a.top_k < a.experts:
+        return (f"top-{a.top_k} of {a.experts} experts: each token uses {a.top_k / a.experts:.0%} of every FFN's "
+                "neurons and drops the rest, so the output is not the dense model's: calibrate it (--calib, in memory) "
+                "or train it")
+    if a.capacity_factor == 0 or abs(a.capacity_factor) >= 1:
+        return ("top-k = experts: every expert has weight 1 and the output bias is added once, so the model equals "
+                "the dense one (up to rounding)")
+    return (f"top-k = experts equals the dense model only without drops, and capacity factor {a.capacity_factor} "
+            "(< 1) drops token-expert assignments: use --capacity-factor 0 for the dense model's output")
+
+
+def _convert_split_stream(a, directory, out, start: float, why_not_native: str) -> int:
+    """Stream the neuron split: the dense model is never built, memory stays about one FFN whatever its size."""
+    from moecompile import report
+    from moecompile.conversion.split_stream import split_checkpoint
+
+    r = split_checkpoint(directory, out, a.experts, a.top_k, a.capacity_factor, a.layers, a.seed, a.dtype,
+                         a.max_shard_size, progress=not a.no_progress)
+    counts = report.checkpoint_summary(out)
+    print(f"converted {a.model}: {len(r.blocks)} FFNs -> MoE blocks (split, {a.experts} experts, top-{a.top_k}, "
+          f"capacity factor {a.capacity_factor}), streamed one FFN at a time: the dense model was never built")
+    print(f"  parameters: dense {report.human(r.source_params)} -> total {report.human(counts['total'])}, "
+          f"active per token {report.human(counts['active_per_token'])}")
+    print(f"  {_split_equivalence(a)}; no probe run")
+    files = sorted(f for f in out.iterdir() if f.is_file())
+    print(f"  wrote {len(files)} files, {r.output_bytes / 1e9:.2f} GB of {str(r.dtype).removeprefix('torch.')} "
+          f"weights in {r.shards} shard(s), to {out} in {time.perf_counter() - start:.1f} s, in moecompile's format: "
+          f"{why_not_native}")
     return 0
 
 

@@ -43,7 +43,7 @@ MAX_CHAIN_NODES = 64
 @dataclass
 class LinearRef:
     """One linear of an FFN: where its parameters live in the model and how the weight is laid out."""
-    node: fx.Node
+    node: fx.Node | None  # None when the FFN was found from a checkpoint's tensor names, not a graph
     weight: str  # fully qualified parameter name
     bias: str | None
     out_in: bool  # weight is [out, in] (nn.Linear) rather than [in, out] (Conv1D, mm)

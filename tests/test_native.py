@@ -515,3 +515,122 @@ def test_cli_convert_fp8_writes_the_native_fp8_layout(sources, native_fp8, tmp_p
     assert "-> MixtralForCausalLM" in capsys.readouterr().out
     assert (out / "model.safetensors").read_bytes() == (native_fp8 / "model.safetensors").read_bytes()
     assert "FP8" in (out / "README.md").read_text()
+
+
+# ------------------------------------------------------------------------------------ streaming split (moecompile)
+
+def _mlp_biased(sources, tmp_path) -> Path:
+    """The tiny LLaMA with mlp_bias=True and random FFN biases: the split's per-expert input bias and shared bias."""
+    g = torch.Generator().manual_seed(7)
+    biases = {f"model.layers.{i}.mlp.{p}.bias": torch.randn(32 if p == "down_proj" else 48, generator=g)
+              for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")}
+    return _copy(sources["llama"], tmp_path / "llama-mlp-bias", lambda c: {**c, "mlp_bias": True}, add=biases)
+
+
+def _in_memory_split(src: Path, out: Path, dtype=None, **kw) -> None:
+    """What `convert --method split` wrote before it streamed: the model loaded, moeize'd and saved."""
+    from moecompile.conversion.models import load_source
+    from moecompile.conversion.moeize import moeize
+    from moecompile.io import checkpoint
+
+    model = load_source(str(src), progress=False).model.eval()
+    moeize(model, experts=4, method="split", seed=3, progress=False, **kw)
+    if dtype:
+        model.to(dtype)
+    checkpoint.save(model, out, tokenizer_dir=src, progress=False)
+
+
+@pytest.mark.parametrize("name, kw", [("qwen3", {"top_k": 2}),  # tied embeddings
+                                      ("qwen2", {"top_k": 4, "layers": "1"}),  # q/k/v biases, a dense layer
+                                      ("llama-mlp-bias", {"top_k": 1, "capacity_factor": 0.0}),
+                                      ("llama-v4", {"top_k": 2, "dtype": torch.bfloat16}),
+                                      ("llama-no-dtype", {"top_k": 2})])  # bf16 weights, no dtype in config.json
+def test_streaming_split_equals_in_memory(sources, tmp_path, monkeypatch, name, kw):
+    """The streaming split writes bit for bit the tensors, config.json (layout included), generation config and
+    tokenizer files of the in-memory moeize + save of the same model and seed, building each block once."""
+    from moecompile.conversion import split_stream
+    from moecompile.io.checkpoint import read_tensors, weight_files
+
+    if name == "llama-mlp-bias":
+        src = _mlp_biased(sources, tmp_path)
+    elif name == "llama-no-dtype":
+        bf16 = {k: v.bfloat16() for k, v in load_file(sources["llama"] / "model.safetensors").items()}
+        src = _copy(sources["llama"], tmp_path / name, lambda c: {k: v for k, v in c.items() if k != "dtype"}, add=bf16)
+    else:
+        src = sources[name]
+    dtype = kw.pop("dtype", None)
+    _in_memory_split(src, tmp_path / "memory", dtype, **kw)
+    built, build = [], split_stream.build_block
+    monkeypatch.setattr(split_stream, "build_block", lambda ffn, **k: built.append(ffn.owner) or build(ffn, **k))
+    result = split_stream.split_checkpoint(src, tmp_path / "stream", 4, seed=3, dtype=dtype, max_shard_size="20KB",
+                                           progress=False, **kw)
+    assert built == result.blocks and result.shards > 1  # one build per block, and blocks across shard files
+    want = read_tensors(weight_files(tmp_path / "memory"), progress=False)
+    got = read_tensors(weight_files(tmp_path / "stream"), progress=False)
+    assert set(got) == set(want) and any(".experts.w_in" in k for k in got)
+    assert [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])] == []
+    def others(folder: Path) -> dict:  # every file but the weights (sharded differently)
+        return {f.name: json.loads(f.read_text()) for f in folder.iterdir() if not f.name.startswith("model")}
+
+    assert others(tmp_path / "stream") == others(tmp_path / "memory")
+    assert {"config.json", "generation_config.json"} <= set(others(tmp_path / "stream"))
+
+
+def _split_args(src, out, *extra) -> list[str]:
+    return ["convert", str(src), "--method", "split", "--experts", "4", "--out", str(out), "--no-progress", *extra]
+
+
+def test_cli_split_streams_and_top_k_all_equals_dense(sources, tmp_path, capsys):
+    import moecompile
+    from moecompile import cli
+
+    out = tmp_path / "split"
+    assert cli.main(_split_args(sources["llama"], out, "--top-k", "4")) == 0
+    text = capsys.readouterr().out
+    assert "streamed one FFN at a time" in text and "equals the dense one" in text and "probe tokens" not in text
+    model = moecompile.load(out)
+    dense = transformers.AutoModelForCausalLM.from_pretrained(sources["llama"]).eval()
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = dense(ids).logits
+        assert want.std() > 0.1 and (model(ids).logits - want).abs().max() < 1e-5
+    assert cli.main(_split_args(sources["qwen3"], tmp_path / "top2", "--top-k", "2", "--format", "moecompile")) == 0
+    text = capsys.readouterr().out
+    assert "top-2 of 4 experts" in text and "is not the dense model's" in text and "--calib" in text
+
+
+def test_cli_split_routing(sources, tmp_path):
+    from moecompile import cli
+    from moecompile.conversion import models
+
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(gpt2)
+    streamed = {
+        (sources["llama"], ()): True,
+        (sources["qwen2"], ("--format", "moecompile", "--layers", "odd")): True,
+        (sources["llama"], ("--calib", "stdlib")): False,  # calibration runs the model: in memory
+        (sources["llama"], ("--fp8",)): False,
+        (sources["llama"], ("--random-init",)): False,
+        (gpt2, ()): False,  # FFNs found in the captured graph only
+    }
+    for (src, extra), want in streamed.items():
+        a = cli._parser().parse_args(_split_args(src, tmp_path / "x", *extra))
+        assert (cli._split_stream_source(a, models) is not None) == want, (src, extra)
+    a = cli._parser().parse_args(["convert", str(sources["llama"]), "--experts", "4", "--format", "moecompile"])
+    assert cli._split_stream_source(a, models) is None  # an upcycle in moecompile's format stays in memory
+
+
+def test_cli_split_bad_input_leaves_nothing(sources, tmp_path, capsys):
+    from moecompile import cli
+
+    (tmp_path / "outs").mkdir()
+    bad_layers = _copy(sources["llama"], tmp_path / "layers", lambda c: {**c, "num_hidden_layers": 3})
+    truncated = _copy(sources["llama"], tmp_path / "truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    for src, message in [(bad_layers, "num_hidden_layers=3 but the weights hold layers 0-1"),
+                         (truncated, "corrupt or truncated safetensors file")]:
+        assert cli.main(_split_args(src, tmp_path / "outs" / "moe")) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("moecompile: error: ") and message in err and "\n" not in err
+        assert _nothing_left(tmp_path / "outs", set())

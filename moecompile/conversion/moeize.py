@@ -12,6 +12,7 @@ Expert construction (`method`):
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -60,15 +61,20 @@ class DenseFFN:
         return f"{self.owner}: {self.match.describe()}, hidden {self.hidden_size}, ffn {self.intermediate_size}"
 
 
-def _weight(model: nn.Module, ref: LinearRef) -> tuple[torch.Tensor, torch.Tensor | None]:
-    w = model.get_parameter(ref.weight).detach()
-    b = model.get_parameter(ref.bias).detach() if ref.bias else None
+def _param(root: nn.Module | Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    return root[name] if isinstance(root, Mapping) else root.get_parameter(name).detach()
+
+
+def _weight(root, ref: LinearRef) -> tuple[torch.Tensor, torch.Tensor | None]:
+    w = _param(root, ref.weight)
+    b = _param(root, ref.bias) if ref.bias else None
     return (w if ref.out_in else w.t()), b
 
 
-def dense_ffn(root: nn.Module, match: FFNMatch, owner: str | None = None,
+def dense_ffn(root: nn.Module | Mapping[str, torch.Tensor], match: FFNMatch, owner: str | None = None,
               identity: list[str] | None = None) -> DenseFFN:
-    """The matched FFN's weights, read from root (the model, or the captured GraphModule: same parameter names)."""
+    """The matched FFN's weights, read from root: the model, the captured GraphModule (same parameter names), or a
+    mapping of those names to tensors (the streaming split reads an FFN's tensors from its checkpoint)."""
     ins = [_weight(root, r) for r in (match.gate, match.up) if r is not None]
     w_in = torch.cat([w for w, _ in ins])
     if all(b is None for _, b in ins):
@@ -181,7 +187,8 @@ def balanced_kmeans(features: torch.Tensor, clusters: int, iters: int = 10, seed
     Returns the group index per row. Deterministic for a given seed."""
     n = features.shape[0]
     size = n // clusters
-    x = torch.nn.functional.normalize(features.float(), dim=1)
+    x = features.to(torch.float32, copy=True)
+    torch.nn.functional.normalize(x, dim=1, out=x)  # in place: one float32 copy of the features at a time
     gen = torch.Generator().manual_seed(seed)
     centroids = x[torch.randperm(n, generator=gen)[:clusters]]
     assign = torch.empty(n, dtype=torch.long)
@@ -204,8 +211,9 @@ def balanced_kmeans(features: torch.Tensor, clusters: int, iters: int = 10, seed
 
 def _neuron_groups(ffn: DenseFFN, experts: int, seed: int) -> list[torch.Tensor]:
     i = ffn.intermediate_size
-    rows = ffn.w_in.reshape(-1, i, ffn.hidden_size).permute(1, 0, 2).reshape(i, -1)  # gate|up rows per neuron
-    features = torch.cat([rows, ffn.w_out.t()], dim=1)
+    # per neuron: its gate|up rows, then its output column (the rows' copy is freed once concatenated)
+    features = torch.cat([ffn.w_in.reshape(-1, i, ffn.hidden_size).permute(1, 0, 2).reshape(i, -1), ffn.w_out.t()],
+                         dim=1)
     assign = balanced_kmeans(features, experts, seed=seed)
     return [torch.nonzero(assign == e).flatten() for e in range(experts)]
 
@@ -236,6 +244,22 @@ def upcycle_copy(w: torch.Tensor, seed: int, index: int, proj: int, expert: int,
     return (wf + torch.randn(wf.shape, generator=g) * (noise * wf.std())).to(w.dtype)
 
 
+def block_config(ffn: DenseFFN, experts: int, top_k: int, capacity_factor: float, method: str,
+                 groups: list[torch.Tensor] | None = None) -> MoEConfig:
+    """The MoEConfig of the block build_block makes from this FFN: its shapes only, so the streaming split plans its
+    output from a DenseFFN of meta tensors before reading any weight."""
+    common = dict(hidden_size=ffn.hidden_size, num_experts=experts, top_k=top_k, capacity_factor=capacity_factor,
+                  activation=ffn.match.activation, gated=ffn.match.gated, bias_in=ffn.b_in is not None,
+                  dropout=ffn.dropout, method=method)
+    if method == "upcycle":
+        return MoEConfig(expert_size=ffn.intermediate_size, bias_out="expert" if ffn.b_out is not None else "none",
+                         **common)
+    # given groups may leave neurons out (a calibrated split's shared expert holds them)
+    size = ffn.intermediate_size // experts if groups is None else len(groups[0])
+    return MoEConfig(expert_size=size, bias_out="shared" if ffn.b_out is not None else "none", gate_weighting="unit",
+                     **common)
+
+
 def build_block(ffn: DenseFFN, experts: int, top_k: int, capacity_factor: float, method: str,
                 noise: float = 0.0, seed: int = 0, groups: list[torch.Tensor] | None = None,
                 index: int = 0) -> MoEBlock:
@@ -245,12 +269,9 @@ def build_block(ffn: DenseFFN, experts: int, top_k: int, capacity_factor: float,
     The arguments are checked where they enter: check_options and check_ffns."""
     gated = ffn.match.gated
     h, i = ffn.hidden_size, ffn.intermediate_size
-    common = dict(hidden_size=h, num_experts=experts, top_k=top_k, capacity_factor=capacity_factor,
-                  activation=ffn.match.activation, gated=gated, bias_in=ffn.b_in is not None,
-                  dropout=ffn.dropout, method=method)
+    config = block_config(ffn, experts, top_k, capacity_factor, method, groups)
+    block = MoEBlock(config).to(dtype=ffn.w_in.dtype, device=ffn.w_in.device)
     if method == "upcycle":
-        config = MoEConfig(expert_size=i, bias_out="expert" if ffn.b_out is not None else "none", **common)
-        block = MoEBlock(config).to(dtype=ffn.w_in.dtype, device=ffn.w_in.device)
         # the first projection's rows: (gate, up) when gated, else one projection
         parts = [(0, ffn.w_in[:i]), (1, ffn.w_in[i:])] if gated else [(0, ffn.w_in)]
         with torch.no_grad():
@@ -264,11 +285,6 @@ def build_block(ffn: DenseFFN, experts: int, top_k: int, capacity_factor: float,
                 ex.b_out.copy_(ffn.b_out.expand_as(ex.b_out))
             block.router.weight.copy_(upcycle_router(seed, index, experts, h))
         return block
-    # given groups may leave neurons out (a calibrated split's shared expert holds them)
-    size = i // experts if groups is None else len(groups[0])
-    config = MoEConfig(expert_size=size, bias_out="shared" if ffn.b_out is not None else "none",
-                       gate_weighting="unit", **common)
-    block = MoEBlock(config).to(dtype=ffn.w_in.dtype, device=ffn.w_in.device)
     if groups is None:
         groups = _neuron_groups(ffn, experts, ffn_seed(seed, index))
     w_in = ffn.w_in.reshape(-1, i, h)  # [1 or 2 (gate, up), I, H]

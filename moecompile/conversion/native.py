@@ -136,9 +136,10 @@ def _normalised(cfg: dict) -> dict:
     return out
 
 
-def native_support(config, layers=None) -> tuple[str | None, str]:
-    """(native class name, "") when the native upcycle applies to this dense config (dict, transformers config or
-    checkpoint folder) and this layer selection, else (None, the reason in one line)."""
+def family_support(config, layers=None) -> tuple[dict | None, str]:
+    """(the config as transformers reads it, "") when this dense config (dict, transformers config or checkpoint
+    folder) is of a family in FAMILIES, whose FFNs are found by name (model.layers.N.mlp.gate_proj/up_proj/down_proj),
+    and `layers` selects some of them; else (None, the reason in one line). The streaming split needs no more."""
     cfg = _config_dict(config)
     arch = _architecture(cfg)
     family = FAMILIES.get(arch)
@@ -151,6 +152,24 @@ def native_support(config, layers=None) -> tuple[str | None, str]:
         cfg = _normalised(cfg)
     except MoECompileError as e:
         return None, str(e)
+    n = cfg.get("num_hidden_layers")
+    if not isinstance(n, int) or n < 1:
+        return None, f"{arch} config has no valid num_hidden_layers ({n!r})"
+    try:
+        _select_layers(layers, n)
+    except MoECompileError as e:
+        return None, str(e)
+    return cfg, ""
+
+
+def native_support(config, layers=None) -> tuple[str | None, str]:
+    """(native class name, "") when the native upcycle applies to this dense config (dict, transformers config or
+    checkpoint folder) and this layer selection, else (None, the reason in one line)."""
+    cfg, reason = family_support(config, layers)
+    if cfg is None:
+        return None, reason
+    arch = cfg["architectures"][0]
+    family = FAMILIES[arch]
     if cfg.get("attention_bias") and family is MIXTRAL:
         return None, f"{arch} with attention_bias=True: {family.target} attention has no biases"
     if cfg.get("mlp_bias"):
@@ -158,13 +177,8 @@ def native_support(config, layers=None) -> tuple[str | None, str]:
     types = set(cfg.get("layer_types") or [])
     if family is QWEN3_MOE and len(types) > 1:  # Qwen3-MoE applies one sliding window to all layers or none
         return None, f"{arch} mixes {' and '.join(sorted(types))} layers: {family.target} cannot"
-    n = cfg.get("num_hidden_layers")
-    if not isinstance(n, int) or n < 1:
-        return None, f"{arch} config has no valid num_hidden_layers ({n!r})"
-    try:
-        selected = _select_layers(layers, n)
-    except MoECompileError as e:
-        return None, str(e)
+    n = cfg["num_hidden_layers"]
+    selected = _select_layers(layers, n)
     if not family.per_layer_dense and len(selected) != n:
         return None, (f"{family.target} has no dense layers: the native format makes all {n} FFNs MoE (asked for "
                       f"{len(selected)}); use --format moecompile to choose layers")
@@ -256,7 +270,8 @@ def _expected_tensors(cfg: dict, directory: Path) -> tuple[dict[str, tuple], set
     return shapes, optional
 
 
-def _check_source(cfg: dict, directory: Path, tensors: dict) -> None:
+def check_source(cfg: dict, directory: Path, tensors: dict) -> None:
+    """The weights hold exactly the tensors config.json implies (layers, names, shapes): checked from the headers."""
     n = cfg["num_hidden_layers"]
     present = sorted({int(m.group(1)) for k in tensors if (m := LAYER_RE.match(k))})
     if present != list(range(n)):
@@ -288,7 +303,7 @@ def _plan(tensors: dict, family: Family, selected: list[int], experts: int, out_
 
     moe = set(selected)
     plan = []
-    for name in sorted(tensors, key=_natural_key):
+    for name in sorted(tensors, key=natural_key):
         _, shape, st = tensors[name]
         if tied and name == "lm_head.weight":
             continue  # tied to the embeddings: the native model ties it again on load
@@ -312,7 +327,7 @@ def _plan(tensors: dict, family: Family, selected: list[int], experts: int, out_
     return plan
 
 
-def _natural_key(name: str) -> list:
+def natural_key(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
@@ -363,7 +378,7 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
     if not source.is_dir():
         raise MoECompileError(f"no such checkpoint folder: {source}")
     check_output_dir(out)  # before reading any weight
-    out_dtype = _parse_dtype(dtype)
+    out_dtype = parse_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
     if router_std < 0 or noise < 0:
         raise MoECompileError(f"router_std and noise must be >= 0, got {router_std} and {noise}")
@@ -374,7 +389,7 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
     family = FAMILIES[_architecture(cfg)]
     selected = _select_layers(layers, cfg["num_hidden_layers"])
     tensors = source_tensors(source)
-    _check_source(cfg, source, tensors)
+    check_source(cfg, source, tensors)
     plan = _plan(tensors, family, selected, experts, out_dtype, bool(config.get("tie_word_embeddings")))
     if "dtype" not in config:  # the source config named none: that of the embeddings
         config["dtype"] = config["torch_dtype"] = str(ST_DTYPES[next(
@@ -436,7 +451,7 @@ def _ranges(layers: list[int]) -> str:
     return ", ".join(runs)
 
 
-def _parse_dtype(dtype) -> torch.dtype | None:
+def parse_dtype(dtype) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         if dtype is not None and not dtype.is_floating_point:
             raise MoECompileError(f"dtype must be a floating type, got {dtype}")

@@ -20,9 +20,14 @@ def get_layout(model: nn.Module) -> list[dict]:
     return list(getattr(model, LAYOUT_ATTR, []) or [])
 
 
+def entry(path: str, config: MoEConfig, identity: list[str]) -> dict:
+    """The layout entry of one block (the streaming split writes these without building a model)."""
+    return {"path": path, "config": config.to_dict(), "identity": list(identity)}
+
+
 def record(model: nn.Module, path: str, config: MoEConfig, identity: list[str]) -> None:
     layout = [e for e in get_layout(model) if e["path"] != path]
-    layout.append({"path": path, "config": config.to_dict(), "identity": list(identity)})
+    layout.append(entry(path, config, identity))
     object.__setattr__(model, LAYOUT_ATTR, layout)  # a plain attribute, not a submodule or buffer
 
 
