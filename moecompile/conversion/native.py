@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,11 +36,11 @@ from moecompile.conversion.moeize import ROUTER_STD, parse_layers, upcycle_copy,
 from moecompile.errors import MoECompileError
 from moecompile.io.checkpoint import (
     DEFAULT_SHARD_SIZE,
-    GENERATION_CONFIG,
     NATIVE_RECORD,
     WEIGHTS_INDEX,
     atomic_directory,
     check_output_dir,
+    copy_generation_config,
     copy_tokenizer,
     read_config,
     tensor_headers,
@@ -411,8 +410,7 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
         copy_tokenizer(source, tmp)
         (tmp / "README.md").write_text(_model_card(source, family.target, experts, top_k, selected, seed, noise,
                                                    router_std, fp8, record or {}))
-        if (source / GENERATION_CONFIG).is_file():  # generation defaults stay the source's
-            shutil.copy2(source / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
+        copy_generation_config(source, tmp)  # generation defaults stay the source's
 
     source_params = sum(Entry(k, shape, st).numel for k, (_, shape, st) in tensors.items())
     return NativeResult(Path(out), family.target, source_params, sum(t.numel for t in plan), total, len(files),

@@ -37,7 +37,7 @@ WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
-GENERATION_CONFIG = "generation_config.json"  # copied beside the tokenizer by the streaming writers
+GENERATION_CONFIG = "generation_config.json"
 DEFAULT_SHARD_SIZE = "5GB"
 MODEL_TYPE = "moecompile"  # config.json model_type of moecompile's format (see the module docstring)
 ARCHITECTURE = "MoECompileCheckpoint"
@@ -165,6 +165,12 @@ def copy_tokenizer(source: str | os.PathLike | None, directory: Path) -> None:
         for name in TOKENIZER_FILES:
             if (Path(source) / name).is_file():
                 shutil.copy2(Path(source) / name, directory / name)
+
+
+def copy_generation_config(source: Path, directory: Path) -> None:
+    """The source's generation defaults, beside the config as save_pretrained writes them (when it has any)."""
+    if (source / GENERATION_CONFIG).is_file():
+        shutil.copy2(source / GENERATION_CONFIG, directory / GENERATION_CONFIG)
 
 
 def _default_permissions(folder: Path) -> None:

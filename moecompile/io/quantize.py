@@ -8,7 +8,6 @@ one expert tensor, whatever the model size.
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -46,6 +45,5 @@ def quantize_checkpoint(source: str | Path, out: str | Path, max_shard_size: str
         stream.write_weights(tmp, files, FP8Reader(stream.read_copy), "fp8", progress)
         checkpoint.write_moe_config(tmp, {**config, "quantization_config": qconfig}, {**moe, "blocks": blocks})
         checkpoint.copy_tokenizer(source, tmp)
-        if (source / checkpoint.GENERATION_CONFIG).is_file():  # what save_pretrained writes beside the config
-            shutil.copy2(source / checkpoint.GENERATION_CONFIG, tmp / checkpoint.GENERATION_CONFIG)
+        checkpoint.copy_generation_config(source, tmp)
     return len(blocks)
