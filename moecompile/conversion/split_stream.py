@@ -104,6 +104,11 @@ def _match(layer: int, tensors: dict, activation: str) -> FFNMatch:
     return FFNMatch(up=ref("up_proj"), down=ref("down_proj"), gate=ref("gate_proj"), activation=activation)
 
 
+def _parameters(match: FFNMatch) -> list[str]:
+    """The names of an FFN's weights and biases."""
+    return [n for r in match.linears for n in (r.weight, r.bias) if n is not None]
+
+
 def _load_dtype(hf_config, tensors: dict, first_file: Path) -> torch.dtype:
     """The dtype transformers loads the dense model in (from_pretrained's dtype "auto"): config.json's, else that of
     the first floating tensor of the first weight file."""
@@ -136,9 +141,9 @@ class _Reader:
 
     def _build(self, layer: int) -> dict[str, torch.Tensor]:
         match = self.matches[layer]
-        names = [n for r in match.linears for n in (r.weight, r.bias) if n is not None]
         # the read tensors die with this dict once dense_ffn has concatenated gate and up
-        ffn = dense_ffn({n: read_tensor(self.tensors[n][0], n).to(self.load) for n in names}, match, _ffn_path(layer))
+        ffn = dense_ffn({n: read_tensor(self.tensors[n][0], n).to(self.load) for n in _parameters(match)}, match,
+                        _ffn_path(layer))
         block = build_block(ffn, method=METHOD, index=layer, **self.knobs)
         return {f"{_ffn_path(layer)}.{k}": self._cast(v) for k, v in block.state_dict().items()}
 
@@ -209,8 +214,8 @@ def split_checkpoint(source: str | os.PathLike, out: str | os.PathLike, experts:
     selected = parse_layers(layers, cfg["num_hidden_layers"])
     matches = {i: _match(i, tensors, activation) for i in selected}
     # the FFNs as meta tensors: their block configs (and the split's divisibility check) before any weight is read
-    meta = {i: dense_ffn({n: torch.empty(tensors[n][1], dtype=load, device="meta") for r in matches[i].linears
-                          for n in (r.weight, r.bias) if n is not None}, matches[i], _ffn_path(i)) for i in selected}
+    meta = {i: dense_ffn({n: torch.empty(tensors[n][1], dtype=load, device="meta") for n in _parameters(matches[i])},
+                         matches[i], _ffn_path(i)) for i in selected}
     check_ffns(list(meta.values()), experts, METHOD)
     configs = {i: block_config(meta[i], experts, top_k, capacity_factor, METHOD) for i in selected}
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
