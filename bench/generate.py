@@ -8,6 +8,7 @@ Modes, all in one run:
   hf-moecompile      the same with backend="moecompile"
   moecompile         moecompile.generate: compiled prefill, the whole decode step (layers, logits, token choice)
                      one CUDA graph, replayed with no host synchronisation per token
+  moecompile-unfused the same without the fuse_projections pass (not in the default list: what that pass gives)
 Floor: the bytes one decode step must read (every weight except the embedding table, of which one row per sequence;
 expert tensors weighted by the expected fraction of experts the batch hits under uniform routing,
 1 - (1 - k/E)^batch), at the copy bandwidth measured in the same run. Correctness: cosine of the first compiled step's
@@ -49,6 +50,7 @@ TINY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, n
             num_key_value_heads=2, head_dim=64, vocab_size=1024, q_lora_rank=64, kv_lora_rank=32,
             qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
 MODES = ("hf-eager", "hf-experts-mc", "hf-inductor", "hf-moecompile", "moecompile")
+GENERATOR_OPTIONS = {"moecompile": None, "moecompile-unfused": {"fuse_projections": False}}
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -158,8 +160,8 @@ def hf_mode(model, mode: str, ids, new: int, device: str, reps: int, reference):
     return prefill, (total - prefill) / (new - 1), out.sequences, cosine, out
 
 
-def moecompile_mode(model, ids, new: int, device: str, reps: int, reference, profile: bool):
-    gen = Generator(model, ids.shape[0], ids.shape[1] + new)
+def moecompile_mode(model, ids, new: int, device: str, reps: int, reference, profile: bool, options=None):
+    gen = Generator(model, ids.shape[0], ids.shape[1] + new, options=options)
     tokens = gen(ids, new)  # compile prefill and step, capture the step
     cosine = float("nan") if reference is None else cos(gen.prefill_logits, reference.logits[0])
     prefill = timed(lambda: gen.prefill(ids), device, reps)
@@ -190,7 +192,7 @@ def profile_step(gen: Generator, ids, steps: int = 4) -> str:
     total_us = sum(e.self_device_time_total for e in kernels) / steps
     launches = sum(e.count for e in kernels) / steps
     lines = [f"kernel time per step {total_us / 1e3:.3f} ms in {launches:.0f} kernels; top kernels (ms per step):"]
-    for e in kernels[:8]:
+    for e in kernels[:14]:
         lines.append(f"  {e.self_device_time_total / steps / 1e3:.3f}  x{e.count // steps}  {e.key[:100]}")
     return "\n".join(lines)
 
@@ -213,6 +215,8 @@ def main(argv=None) -> int:
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     modes = args.modes.split(",")
+    if set(modes) - set(MODES) - set(GENERATOR_OPTIONS):
+        parser.error(f"unknown modes {sorted(set(modes) - set(MODES) - set(GENERATOR_OPTIONS))}")
     bandwidth = copy_bandwidth(device)
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip()
@@ -236,11 +240,12 @@ def main(argv=None) -> int:
             reference = None
             for mode in modes:
                 try:
-                    if mode == "moecompile":
+                    if mode in GENERATOR_OPTIONS:
                         prefill, decode, tokens, cosine, report = moecompile_mode(
-                            model, ids, args.new, device, args.reps, reference, not args.no_profile and batch == 1)
+                            model, ids, args.new, device, args.reps, reference, not args.no_profile and batch == 1,
+                            GENERATOR_OPTIONS[mode])
                         if report:
-                            profiles.append(f"{name}, batch {batch}, moecompile:\n{report}")
+                            profiles.append(f"{name}, batch {batch}, {mode}:\n{report}")
                     else:
                         prefill, decode, tokens, cosine, out = hf_mode(model, mode, ids, args.new, device, args.reps,
                                                                        reference)

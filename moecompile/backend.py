@@ -1,8 +1,8 @@
 """The torch.compile backend: `torch.compile(model, backend="moecompile", options={...})`.
 
 Dynamo hands over each captured graph; the "compile" pipeline of passes/pipeline.py rewrites the MoE parts into
-moecompile ops (recognise_moe, set_capacity, fuse_route_dispatch, and when asked insert_fp8 or insert_all_to_all)
-and everything else goes on to inductor
+moecompile ops (recognise_moe, set_capacity, fuse_route_dispatch, and when asked insert_fp8 or insert_all_to_all),
+fuses linears that read one tensor (fuse_projections) and everything else goes on to inductor
 (compile_fx) unchanged. The backend is found through the `torch_dynamo_backends` entry point, so no import of
 moecompile is needed; it is a plain function (Dynamo registers the entry point's name itself, and registering
 the same name twice fails).
@@ -27,6 +27,8 @@ OPTIONS = {
     "mode": (str, None, "inductor mode, as torch.compile's mode= (e.g. max-autotune-no-cudagraphs)"),
     "inductor_config": (dict, None, "inductor config patches"),
     "fuse": (bool, True, "fuse_route_dispatch: router linear + routing + permutation as one op"),
+    "fuse_projections": (bool, True, "fuse_projections: linears reading one tensor (q/k/v, gate/up) as one GEMM "
+                                     "over weights concatenated once (inference graphs)"),
     "capacity_factor": ((int, float), None, "set_capacity: one capacity factor for every router (MoEConfig's "
                                             "convention)"),
     "print_graph": (bool, False, "print the graph before and after each pass"),
@@ -113,9 +115,25 @@ def moecompile_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
         compiled = aot_eager(gm, inputs)
     else:
         compiled = _inductor(gm, inputs, opts)
-    if not constants:
+    _keep_aliases(example_inputs, ctx.input_aliases)
+    if not constants and not ctx.input_aliases:
         return compiled
-    return lambda *args: compiled(*args, *constants)
+
+    def call(*args):
+        _keep_aliases(args, ctx.input_aliases)
+        return compiled(*args, *constants)
+
+    return call
+
+
+def _keep_aliases(args, aliases: list) -> None:
+    """Each input fuse_projections fused becomes a view of its part of the fused buffer, after it is compiled and
+    whenever it was since replaced by another tensor (`p.data = t`): its values go into the buffer first."""
+    for index, part in aliases:
+        if args[index].data_ptr() != part.data_ptr():
+            with torch.no_grad():
+                part.copy_(args[index])
+            args[index].data = part
 
 
 def _constants_as_inputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[torch.Tensor]]:
@@ -141,8 +159,8 @@ def _constants_as_inputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[torch
 def compile(model, *, fullgraph: bool = False, dynamic: bool | None = None, **options):
     """torch.compile(model, backend="moecompile", options=options), without going through the entry point.
 
-    Options (see OPTIONS): inductor, mode, inductor_config, fuse, capacity_factor, print_graph, fp8,
-    expert_parallel."""
+    Options (see OPTIONS): inductor, mode, inductor_config, fuse, fuse_projections, capacity_factor, print_graph,
+    fp8, expert_parallel."""
     recorded = getattr(getattr(model, "config", None), "moecompile", None)  # a native checkpoint's conversion record
     if isinstance(recorded, dict) and "capacity_factor" in recorded:
         options.setdefault("capacity_factor", recorded["capacity_factor"])

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from moecompile import settings
 from moecompile.passes.find_ffn import find_ffn
+from moecompile.passes.fuse_projections import fuse_projections
 from moecompile.passes.fuse_route_dispatch import fuse_route_dispatch
 from moecompile.passes.insert_all_to_all import insert_all_to_all
 from moecompile.passes.insert_fp8 import insert_fp8
@@ -31,15 +32,16 @@ PIPELINES = {
     # (here and below) insert_fp8 and insert_all_to_all run only when options["fp8"] / options["expert_parallel"] ask
     "convert": [find_ffn, moeize, insert_fp8, insert_all_to_all],
     # Dynamo graphs in the torch.compile backend: existing MoE blocks -> moecompile ops, then their optimisation
-    # (keep_first_projection only in training graphs).
+    # (keep_first_projection only in training graphs, fuse_projections only in inference graphs).
     "compile": [recognise_moe, set_capacity, fuse_route_dispatch, insert_fp8, insert_all_to_all,
-                keep_first_projection],
+                keep_first_projection, fuse_projections],
 }
 PIPELINE = PIPELINES["convert"]
 
 # passes that an option turns on (default None: off) or off (default True: on): pass -> (option, default)
 GATES = {set_capacity: ("capacity_factor", None), fuse_route_dispatch: ("fuse", True),
-         insert_fp8: ("fp8", None), insert_all_to_all: ("expert_parallel", None)}
+         insert_fp8: ("fp8", None), insert_all_to_all: ("expert_parallel", None),
+         fuse_projections: ("fuse_projections", True)}
 
 
 class GraphCheckError(RuntimeError):
@@ -56,6 +58,8 @@ class PassContext:
     pipeline: str = "convert"  # which of PIPELINES runs (passes may emit different forms for each)
     example_inputs: list | None = None  # the placeholders' real values, when the caller has them (the backend)
     training: bool = False  # the graph will be differentiated (the backend: grad mode on, an input needing grad)
+    # (input index, tensor): inputs a pass made views of its constants (fuse_projections); the caller keeps them so
+    input_aliases: list = field(default_factory=list)
 
 
 def output_signature(gm: fx.GraphModule) -> list | None:

@@ -1,0 +1,125 @@
+"""fuse_projections: linear layers that read the same tensor become one GEMM over their concatenated weights.
+
+    before   q = linear(x, w_q)      k = linear(x, w_k)      v = linear(x, w_v)
+    after    qkv = linear(x, w_qkv)          (w_qkv: one buffer holding w_q, w_k, w_v row after row)
+             q, k, v = split(qkv, [n_q, n_k, n_v], -1)   (each made contiguous)
+
+At one decoded token each projection is a launch-bound GEMM of one row, so q/k/v (or a dense FFN's gate/up, a
+shared expert's projections and its gate) cost one launch instead of three. Inductor's own batch-linear fusion
+concatenates the weights on every call when they are graph inputs (Dynamo lifts parameters so), reading them twice.
+Here they are concatenated once, from the real parameters (ctx.example_inputs). ctx.input_aliases says which inputs
+must be views of which rows of the fused buffer: the backend rebinds each parameter so once the graph is compiled
+(compiling checks the inputs against what Dynamo saw), and again when one was since replaced by another tensor.
+In-place updates (load_state_dict, optimiser steps) then reach the fused weights, and a later graph of the same
+model (prefill and decode step) finds them fused and shares the buffer. Inference graphs only (a training graph
+keeps its parameters' gradients apart).
+"""
+from __future__ import annotations
+
+import operator
+import re
+from collections import defaultdict
+
+import torch
+from torch import fx
+
+from moecompile.passes.nodes import arg, kind
+
+
+def _real(node, inputs: dict) -> torch.Tensor | None:
+    """The real tensor behind a placeholder read only by the node that reads it here, else None."""
+    t = inputs.get(node) if isinstance(node, fx.Node) else None
+    plain = type(t) in (torch.Tensor, torch.nn.Parameter)  # not a subclass (DTensor, FP8 weights)
+    return t if plain and len(node.users) == 1 and t.is_contiguous() else None
+
+
+def _fusable(node: fx.Node, inputs: dict) -> tuple | None:
+    """(x, weight node, weight, bias node or None, bias or None) of a linear this pass can fuse."""
+    if kind(node) != "linear":
+        return None
+    x, w_node, b_node = arg(node, "input"), arg(node, "weight"), arg(node, "bias")
+    w = _real(w_node, inputs)
+    if not isinstance(x, fx.Node) or w is None or w.dim() != 2:
+        return None
+    if b_node is None:
+        return x, w_node, w, None, None
+    b = _real(b_node, inputs)
+    return None if b is None or b.dim() != 1 or b.dtype != w.dtype else (x, w_node, w, b_node, b)
+
+
+def _fused(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """(one buffer holding tensors back to back, its parts): a new buffer when each tensor owns its storage, the
+    existing one when an earlier graph fused them in this order, else None."""
+    first = tensors[0]
+    rows = sum(t.shape[0] for t in tensors)
+    shape = (rows, *first.shape[1:])
+    storage, offset = first.untyped_storage(), first.storage_offset()
+    adjacent = all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in tensors)
+    start = offset
+    for t in tensors:
+        adjacent &= t.storage_offset() == start
+        start += t.numel()
+    if adjacent:  # fused by an earlier graph of the same model: share its buffer
+        return first.detach().as_strided(shape, first.stride()), [t.detach() for t in tensors]
+    if any(t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size() for t in tensors):
+        return None  # part of some other buffer (tied, sharded, fused differently): leave it alone
+    with torch.no_grad():
+        fused = torch.cat([t.detach() for t in tensors])
+    return fused, list(fused.split([t.shape[0] for t in tensors]))
+
+
+def _module(placeholder: str) -> str:
+    """model.layers.0.self_attn.q_proj for Dynamo's l_self_modules_model_modules_layers_modules_0_..._weight_"""
+    return re.sub(r"^l_self_modules_|_parameters_weight_$", "", placeholder).replace("_modules_", ".")
+
+
+def _constant(gm: fx.GraphModule, name: str, tensor: torch.Tensor, before: fx.Node) -> fx.Node:
+    gm.register_buffer(name, tensor, persistent=False)
+    with gm.graph.inserting_before(before):
+        node = gm.graph.get_attr(name)
+    node.meta.update(val=tensor, moecompile_constant=True)  # the backend hands it to the compiler as an input
+    return node
+
+
+def fuse_projections(gm: fx.GraphModule, ctx) -> dict:
+    """Pass: linears of one input with real, same-dtype weights (all with biases or none) -> one linear + split."""
+    if ctx.training:
+        return {"skipped": "training graph"}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    real = [t if isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor) else None
+            for t in ctx.example_inputs or []]
+    inputs = {n: t for n, t in zip(placeholders, real) if t is not None}
+    index = {n: i for i, n in enumerate(placeholders)}
+    groups = defaultdict(list)
+    for node in gm.graph.nodes:
+        found = _fusable(node, inputs)
+        if found:
+            x, _, w, _, b = found
+            groups[(x, w.dtype, w.device, w.shape[1:], b is None)].append((node, *found[1:]))
+    fused = []
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        with_bias = members[0][4] is not None
+        weights = _fused([m[2] for m in members])
+        biases = _fused([m[4] for m in members]) if with_bias and weights else None
+        if weights is None or (with_bias and biases is None):
+            continue
+        first = members[0][0]
+        name = f"fused_projection_{len(fused)}"
+        w_node = _constant(gm, name, weights[0], first)
+        b_node = _constant(gm, f"{name}_bias", biases[0], first) if with_bias else None
+        with gm.graph.inserting_before(first):
+            y = gm.graph.call_function(torch.nn.functional.linear, (arg(first, "input"), w_node, b_node))
+            parts = gm.graph.call_function(torch.split, (y, [m[2].shape[0] for m in members], -1))
+            outputs = [gm.graph.call_method("contiguous", (gm.graph.call_function(operator.getitem, (parts, i)),))
+                       for i in range(len(members))]
+        for i, ((node, w_in, _, b_in, _), part) in enumerate(zip(members, outputs)):
+            part.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val", "stack_trace")})
+            node.replace_all_uses_with(part)
+            gm.graph.erase_node(node)
+            ctx.input_aliases.append((index[w_in], weights[1][i]))
+            if with_bias:
+                ctx.input_aliases.append((index[b_in], biases[1][i]))
+        fused.append(f"{', '.join(_module(m[1].name) for m in members)} -> {tuple(weights[0].shape)}")
+    return {"fused": fused}
