@@ -137,12 +137,18 @@ def _keep_aliases(args, aliases: list) -> None:
 
 
 def _constants_as_inputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[torch.Tensor]]:
-    """Tensors a pass made at compile time (insert_fp8's quantised weights) become trailing graph inputs: AOT
-    autograd takes a Dynamo graph's attributes only from Dynamo's own list."""
+    """Tensors a pass made at compile time (insert_fp8's quantised weights, fuse_projections' fused ones) become
+    trailing graph inputs: AOT autograd takes a Dynamo graph's attributes only from Dynamo's own list. The copy keeps
+    what Dynamo told AOT autograd (each input's source, which are static) and marks the new inputs static too, so
+    that CUDA graphs (mode="reduce-overhead") read the parameters and these tensors in place instead of copying
+    every one of them into the graph's own buffers at each replay."""
     if not any(n.op == "get_attr" and n.meta.get("moecompile_constant") for n in gm.graph.nodes):
         return gm, []
     graph = fx.Graph()  # a copy: Dynamo reads its own graph's placeholders after the backend returns
     graph.output(graph.graph_copy(gm.graph, {}))
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"), graph.find_nodes(op="placeholder")):
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     constants = []
     for node in [n for n in graph.nodes if n.op == "get_attr" and n.meta.get("moecompile_constant")]:
@@ -150,10 +156,15 @@ def _constants_as_inputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[torch
             last = graph.placeholder(node.target)
         constants.append(getattr(gm, node.target))
         last.meta["val"] = node.meta["val"]
+        last.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}  # made once, never replaced
+        last._dynamo_source = None
         node.replace_all_uses_with(last)
         graph.erase_node(node)
-    # a fresh GraphModule: without Dynamo's parameter-source table AOT autograd takes the new inputs as plain ones
-    return fx.GraphModule(gm, graph), constants
+    copy = fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copy._param_name_to_source = gm._param_name_to_source
+    return copy, constants
 
 
 def compile(model, *, fullgraph: bool = False, dynamic: bool | None = None, **options):

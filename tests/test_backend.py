@@ -161,6 +161,29 @@ def test_fp8_option_without_fusion_dispatches_fp8_tokens():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("options", [{}, {"fp8": True}])
+def test_parameters_and_constants_are_static_inputs_for_cuda_graphs(monkeypatch, options):
+    """What AOT autograd is told stays in place between calls (CUDA graphs then read it there instead of copying it
+    at every replay): every parameter and every tensor a pass made (fused projections, FP8 weights); only the
+    token ids are not."""
+    from torch._functorch import aot_autograd
+
+    seen = []
+    real = aot_autograd._try_get_metadata_from_dynamo
+    monkeypatch.setattr(aot_autograd, "_try_get_metadata_from_dynamo", lambda *a: seen.append((a[2], real(*a)[1]))
+                        or (None, seen[-1][1]))
+    model, ids = tiny_moe("tiny-qwen3-moe"), token_ids()
+    with torch.no_grad():
+        _logits(_compiled(model, **options, **NO_INDUCTOR), ids)
+    (record,) = backend.records()
+    constants = sum(1 for n in record.graph_module.graph.nodes if n.op == "get_attr"
+                    and n.meta.get("moecompile_constant"))
+    assert constants >= 2 + 4 * bool(options)  # two fused q/k/v, FP8 weights and scales of two layers
+    ((inputs, static),) = seen
+    assert static == list(range(1, inputs))
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("options,message", [
     ({"fp8": True, "expert_parallel": {"overlap_degree": 1}}, "cannot be combined"),
     ({"expert_parallel": 2}, "option 'expert_parallel' must be dict"),
