@@ -99,3 +99,32 @@ def test_option_turns_it_off():
     q = model.model.layers[0].self_attn.q_proj.weight
     assert q.storage_offset() == 0 and q.untyped_storage().nbytes() == q.numel() * q.element_size()
     torch._dynamo.reset()
+
+
+class _Projections(torch.nn.Module):
+    """Five linears of one input: a and b fuse; c shares its weight with a second use (tied), d has a bias the others
+    lack, e is in another dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(8, n, bias=False) for n in (4, 6, 5))
+        self.d = torch.nn.Linear(8, 3)
+        self.e = torch.nn.Linear(8, 2, bias=False).double()
+
+    def forward(self, x):
+        tied = torch.nn.functional.linear(x.flip(0), self.c.weight)
+        return self.a(x), self.b(x), self.c(x) + tied, self.d(x), self.e(x.double())
+
+
+def test_only_untied_weights_of_one_dtype_and_bias_kind_are_fused():
+    torch.manual_seed(0)
+    model, x = _Projections(), torch.randn(3, 8)
+    ((gm, inputs),) = dynamo_graphs(model, x)
+    with torch.no_grad():
+        before = gm(*inputs)
+    report = fuse_projections(gm, PassContext(example_inputs=inputs))
+    gm.recompile()
+    assert report == {"fused": ["a, b -> (10, 8)"]}, report
+    with torch.no_grad():
+        for got, want in zip(gm(*inputs), before, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
