@@ -215,8 +215,9 @@ def main(argv=None) -> int:
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     modes = args.modes.split(",")
-    if set(modes) - set(MODES) - set(GENERATOR_OPTIONS):
-        parser.error(f"unknown modes {sorted(set(modes) - set(MODES) - set(GENERATOR_OPTIONS))}")
+    unknown = set(modes) - set(MODES) - set(GENERATOR_OPTIONS)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}")
     bandwidth = copy_bandwidth(device)
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip()

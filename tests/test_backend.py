@@ -168,10 +168,15 @@ def test_parameters_and_constants_are_static_inputs_for_cuda_graphs(monkeypatch,
     token ids are not."""
     from torch._functorch import aot_autograd
 
-    seen = []
+    seen = []  # (inputs, static input indices) of each call
     real = aot_autograd._try_get_metadata_from_dynamo
-    monkeypatch.setattr(aot_autograd, "_try_get_metadata_from_dynamo", lambda *a: seen.append((a[2], real(*a)[1]))
-                        or (None, seen[-1][1]))
+
+    def spy(*args):
+        sources, static = real(*args)
+        seen.append((args[2], static))
+        return sources, static  # what AOT autograd would have had anyway
+
+    monkeypatch.setattr(aot_autograd, "_try_get_metadata_from_dynamo", spy)
     model, ids = tiny_moe("tiny-qwen3-moe"), token_ids()
     with torch.no_grad():
         _logits(_compiled(model, **options, **NO_INDUCTOR), ids)
