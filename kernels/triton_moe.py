@@ -7,6 +7,9 @@ import triton
 import triton.language as tl
 
 ACTIVATION_IDS = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
+# Up to this many assignments (decode) combine finds each one's sorted row by a search of `order` in its own
+# kernel instead of building the inverse permutation first (an arange and a scatter launch).
+SEARCH_ROWS = 64
 
 
 @triton.jit
@@ -143,8 +146,23 @@ def expert_activation_backward(h, offsets, bias, grad_a, activation: str, gated:
 
 
 @triton.jit
-def _combine_kernel(y_ptr, row_of_ptr, w_ptr, out_ptr, tokens, hidden, stride_y, stride_out,
-                    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _row_of(row_of_ptr, order_ptr, n, a, amask, SEARCH: tl.constexpr, CHUNK: tl.constexpr):
+    """Sorted row of each assignment a: read from the inverse permutation, or (SEARCH) found in order itself, which
+    for few assignments costs less than the two launches that build the inverse."""
+    if SEARCH:
+        row = tl.zeros(a.shape, dtype=tl.int64)
+        for p0 in range(0, n, CHUNK):
+            p = p0 + tl.arange(0, CHUNK)
+            o = tl.load(order_ptr + p, mask=p < n, other=-1).to(tl.int32)
+            row += tl.sum(tl.where(o[None, :] == a[:, None], p[None, :], 0), axis=1).to(tl.int64)
+        return row
+    return tl.load(row_of_ptr + a, mask=amask, other=0)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, row_of_ptr, order_ptr, w_ptr, out_ptr, tokens, n, hidden, stride_y, stride_out,
+                    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, SEARCH: tl.constexpr,
+                    CHUNK: tl.constexpr):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     tmask = tok < tokens
@@ -152,7 +170,7 @@ def _combine_kernel(y_ptr, row_of_ptr, w_ptr, out_ptr, tokens, hidden, stride_y,
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     for j in tl.static_range(TOP_K):  # unrolled: the k row loads are in flight together
         w = tl.load(w_ptr + tok * TOP_K + j, mask=tmask, other=0.0)
-        row = tl.load(row_of_ptr + tok * TOP_K + j, mask=tmask, other=0)
+        row = _row_of(row_of_ptr, order_ptr, n, tok * TOP_K + j, tmask, SEARCH, CHUNK)
         keep = tmask & (w != 0.0)  # dropped assignments' rows are never read
         v = tl.load(y_ptr + row[:, None].to(tl.int64) * stride_y + cols[None, :],
                     mask=keep[:, None] & cmask[None, :], other=0.0)
@@ -169,11 +187,15 @@ def combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     out = expert_out.new_empty(tokens, hidden)
     if tokens == 0:
         return out
-    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    n = order.numel()
+    search = n <= SEARCH_ROWS
+    row_of = order if search else \
+        torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
     weights = weights.float().contiguous()
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(hidden, block_h))
-    _combine_kernel[grid](expert_out, row_of, weights, out, tokens, hidden, expert_out.stride(0), out.stride(0),
-                          TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h)
+    _combine_kernel[grid](expert_out, row_of, order, weights, out, tokens, n, hidden, expert_out.stride(0),
+                          out.stride(0), TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, SEARCH=search,
+                          CHUNK=min(128, triton.next_power_of_2(n)))
     return out
 
 

@@ -43,8 +43,10 @@ def cases():
                "grad_h_ptr": BF16}
     yield (triton_moe._expert_activation_backward_kernel, "gelu", act_bwd,
            dict(HAS_BIAS=True, GATED=False, ACT=0, BLOCK_M=32, BLOCK_N=128, E_PAD=8), {})
-    yield (triton_moe._combine_kernel, "k=8", {"y_ptr": BF16, "row_of_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": BF16},
-           dict(TOP_K=8, BLOCK_T=16, BLOCK_H=256), {})
+    combine = {"y_ptr": BF16, "row_of_ptr": "*i64", "order_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": BF16}
+    for search in (False, True):
+        yield (triton_moe._combine_kernel, f"k=8, search {search}", combine,
+               dict(TOP_K=8, BLOCK_T=16, BLOCK_H=256, SEARCH=search, CHUNK=64), {})
     yield (triton_moe._combine_backward_kernel, "k=2",
            {"grad_out_ptr": BF16, "y_ptr": BF16, "row_of_ptr": "*i64", "w_ptr": "*fp32", "grad_rows_ptr": BF16,
             "grad_w_ptr": "*fp32"}, dict(hidden=4096, TOP_K=2, BLOCK_T=16, BLOCK_H=256), {})

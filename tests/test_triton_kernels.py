@@ -28,10 +28,11 @@ def test_expert_activation_matches_reference(activation, gated, bias):
     torch.testing.assert_close(got[:13], want[:13], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [7, 70])  # 70 x k > SEARCH_ROWS: the inverse permutation, else the search
 @pytest.mark.parametrize("top_k", [1, 2, 3])
-def test_combine_matches_reference_and_skips_dropped_rows(top_k):
+def test_combine_matches_reference_and_skips_dropped_rows(top_k, tokens):
     gen = torch.Generator().manual_seed(2)
-    tokens, experts, hidden = 7, 3, 12
+    experts, hidden = 3, 12
     logits = torch.randn(tokens, experts, generator=gen)
     weights, ids = R.route(logits, top_k, 0.5, True)  # capacity 0.5: some assignments dropped
     assert (ids == experts).any()
