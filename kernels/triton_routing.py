@@ -15,17 +15,18 @@ _RANK_TILE = 16384  # assignments x bins per program of the rank kernel (one-hot
 # Up to this many assignments (decode) one kernel sorts and copies: each program compares its assignments with all
 # of them (quadratic, but one launch instead of the counting sort's several).
 SMALL_DISPATCH = 1024
+# Up to this many (tokens x experts, padded to powers of 2) route_dispatch runs as one launch: every program
+# computes the top-k of all the tokens (few: decode) and then dispatches its share of the assignments.
+SMALL_ROUTE = 4096
 
 
 @triton.jit
-def _topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, tokens, num_experts, scaling,
-                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                 SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
-    """Per token: scores (softmax or sigmoid), the top_k by score + bias (lowest id first on ties), their scores
-    (without the bias), optionally renormalised to sum to 1, times scaling."""
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+def _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+           E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
+           RENORM: tl.constexpr):
+    """(weights, ids) [tokens, K_PAD] of the tokens `tok`: scores (softmax or sigmoid), the top_k by score + bias
+    (lowest id first on ties), their scores (without the bias), optionally renormalised to sum to 1, times scaling."""
     e = tl.arange(0, E_PAD)
-    tmask = tok < tokens
     emask = e < num_experts
     x = tl.load(logits_ptr + tok[:, None].to(tl.int64) * num_experts + e[None, :],
                 mask=tmask[:, None] & emask[None, :], other=0.0).to(tl.float32)
@@ -52,9 +53,22 @@ def _topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, tokens, num_experts
         top_id = tl.where(slot[None, :] == j, pick[:, None], top_id)
     if RENORM:
         top_w = top_w / (tl.sum(top_w, axis=1)[:, None] + 1e-20)
+    return top_w * scaling, top_id
+
+
+@triton.jit
+def _topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, tokens, num_experts, scaling,
+                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                 SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    """_top_k of a block of tokens, stored."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tok < tokens
+    top_w, top_id = _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K, K_PAD, E_PAD, BLOCK_T,
+                           SCORING, HAS_BIAS, RENORM)
+    slot = tl.arange(0, K_PAD)
     out = tok[:, None].to(tl.int64) * TOP_K + slot[None, :]
     smask = tmask[:, None] & (slot[None, :] < TOP_K)
-    tl.store(weights_ptr + out, top_w * scaling, mask=smask)
+    tl.store(weights_ptr + out, top_w, mask=smask)
     tl.store(ids_ptr + out, top_id.to(tl.int64), mask=smask)
 
 
@@ -175,3 +189,63 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
         hidden.contiguous(), ids, rank, base, order, rows, n, blocks, hidden=width, TOP_K=top_k,
         RANK_BLOCK=rank_block, BLOCK_A=block_a, BLOCK_H=block_h)
     return rows, order, ends[:num_experts].contiguous()
+
+
+@triton.jit
+def _small_route_dispatch_kernel(logits_ptr, bias_ptr, x_ptr, weights_ptr, ids_ptr, order_ptr, rows_ptr, offsets_ptr,
+                                 tokens, num_experts, scaling, hidden: tl.constexpr, TOP_K: tl.constexpr,
+                                 K_PAD: tl.constexpr, E_PAD: tl.constexpr, T_PAD: tl.constexpr,
+                                 SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                                 BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr):
+    """topk and then _small_dispatch_kernel's work in one launch: each program routes every token (the few of a
+    decode step) itself, so it knows all the assignments without waiting for another program."""
+    tok = tl.arange(0, T_PAD)
+    tmask = tok < tokens
+    top_w, top_id = _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K, K_PAD, E_PAD, T_PAD,
+                           SCORING, HAS_BIAS, RENORM)
+    slot = tl.arange(0, K_PAD)
+    flat = tok[:, None] * TOP_K + slot[None, :]  # the assignment of (token, slot)
+    valid = tmask[:, None] & (slot[None, :] < TOP_K)
+    if tl.program_id(0) == 0:
+        tl.store(weights_ptr + flat, top_w, mask=valid)
+        tl.store(ids_ptr + flat, top_id.to(tl.int64), mask=valid)
+    ids = tl.where(valid, top_id, 2147483647)[None, :, :]  # [1, T_PAD, K_PAD]; padding sorts last
+    a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
+    amask = a < tokens * TOP_K
+    mine = (flat[None, :, :] == a[:, None, None]) & valid[None, :, :]  # (padding slots alias the next token's)
+    e = tl.sum(tl.sum(tl.where(mine, ids, 0), axis=2), axis=1)  # this program's assignments' experts
+    before = (ids < e[:, None, None]) | ((ids == e[:, None, None]) & (flat[None, :, :] < a[:, None, None]))
+    pos = tl.sum(tl.sum(before.to(tl.int32), axis=2), axis=1)
+    experts = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
+    ends = tl.sum(tl.sum((ids <= experts[:, None, None]).to(tl.int32), axis=2), axis=1)
+    tl.store(offsets_ptr + experts, ends, mask=experts < num_experts)
+    tl.store(order_ptr + pos, a.to(tl.int64), mask=amask)
+    _copy_rows(x_ptr, rows_ptr, a, pos, amask, hidden, TOP_K, BLOCK_H)
+
+
+def route_dispatch_fits(tokens: int, num_experts: int) -> bool:
+    """Whether small_route_dispatch takes this many tokens and experts (one program routes them all)."""
+    return 0 < tokens and triton.next_power_of_2(tokens) * triton.next_power_of_2(num_experts) <= SMALL_ROUTE
+
+
+def small_route_dispatch(hidden: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                         scoring: str = "softmax", correction_bias: torch.Tensor | None = None,
+                         scaling_factor: float = 1.0):
+    """topk then dispatch (dropless) in one launch, for route_dispatch_fits sizes: (weights, ids, rows, order,
+    offsets) as topk and dispatch return them."""
+    tokens, num_experts = router_logits.shape
+    n, width = tokens * top_k, hidden.shape[1]
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=hidden.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=hidden.device)
+    rows = hidden.new_empty(n, width)
+    order = torch.empty(n, dtype=torch.int64, device=hidden.device)
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=hidden.device)
+    logits = router_logits.contiguous()
+    block_a = 16
+    _small_route_dispatch_kernel[(triton.cdiv(max(n, num_experts), block_a),)](
+        logits, correction_bias if correction_bias is not None else logits, hidden.contiguous(), weights, ids, order,
+        rows, offsets, tokens, num_experts, float(scaling_factor), hidden=width, TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+        T_PAD=triton.next_power_of_2(tokens), SCORING=SCORING_IDS[scoring], HAS_BIAS=correction_bias is not None,
+        RENORM=renormalize, BLOCK_A=block_a, BLOCK_H=min(256, triton.next_power_of_2(width)))
+    return weights, ids, rows, order, offsets

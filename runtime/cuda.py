@@ -44,6 +44,11 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
                    scoring: str, correction_bias, n_group: int, topk_group: int, scaling_factor: float,
                    logits_fp32: bool):
     logits = reference.router_logits(hidden, router_weight, router_bias, logits_fp32)
+    tokens, num_experts = logits.shape
+    if (n_group == 1 and _routable(logits) and triton_routing.route_dispatch_fits(tokens, num_experts)
+            and reference.capacity(capacity_factor, tokens, top_k, num_experts) < 0):  # decode: one launch
+        return triton_routing.small_route_dispatch(hidden, logits, top_k, renormalize, scoring, correction_bias,
+                                                   scaling_factor)
     weights, ids = route_grouped(logits, top_k, capacity_factor, renormalize, scoring, correction_bias, n_group,
                                  topk_group, scaling_factor)
     return (weights, ids, *dispatch(hidden, ids, router_weight.shape[0]))

@@ -79,6 +79,11 @@ def cases():
                {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                 "scaling": "fp32"},
                dict(TOP_K=8, K_PAD=8, E_PAD=256, BLOCK_T=16, SCORING=scoring, HAS_BIAS=bias, RENORM=True), {})
+    yield (triton_routing._small_route_dispatch_kernel, "E=128, k=8, 16 tokens",
+           {"logits_ptr": BF16, "bias_ptr": BF16, "x_ptr": BF16, "weights_ptr": "*fp32", "ids_ptr": "*i64",
+            "order_ptr": "*i64", "rows_ptr": BF16, "offsets_ptr": "*i32", "scaling": "fp32"},
+           dict(hidden=2048, TOP_K=8, K_PAD=8, E_PAD=128, T_PAD=16, SCORING=0, HAS_BIAS=False, RENORM=True,
+                BLOCK_A=16, BLOCK_H=256), {})
     yield (triton_routing._rank_kernel, "E=128", {"ids_ptr": "*i64", "rank_ptr": "*i32", "counts_ptr": "*i32"},
            dict(BLOCK=64, B_PAD=256), {})
     scatter = {"x_ptr": BF16, "ids_ptr": "*i64", "rank_ptr": "*i32", "base_ptr": "*i32", "order_ptr": "*i64",

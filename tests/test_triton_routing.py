@@ -71,3 +71,35 @@ def test_dispatch_edge_cases(dispatch_path):
     _check_dispatch(x, torch.full((11, 1), 4), 4)  # everything dropped
     rows, order, offsets = TR.dispatch(x[:0], torch.zeros(0, 2, dtype=torch.int64), 4)
     assert rows.shape == (0, 20) and order.shape == (0,) and torch.equal(offsets, torch.zeros(4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (1, 8, 2), (3, 6, 6), (16, 128, 8), (5, 3, 1),
+                                                  (2, 256, 8)])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_small_route_dispatch_equals_topk_then_dispatch(tokens, experts, top_k, scoring):
+    """The one-launch route + dispatch of few tokens against the reference route_grouped then dispatch."""
+    gen = torch.Generator().manual_seed(10 * tokens + experts)
+    logits, x = torch.randn(tokens, experts, generator=gen), torch.randn(tokens, 20, generator=gen)
+    bias = torch.randn(experts, generator=gen) if scoring == "sigmoid" else None
+    assert TR.route_dispatch_fits(tokens, experts)
+    got = TR.small_route_dispatch(x, logits, top_k, scoring == "softmax", scoring, bias, 1.5)
+    weights, ids = R.route_grouped(logits, top_k, 0.0, scoring == "softmax", scoring, bias, 1, 1, 1.5)
+    want = (weights, ids, *R.dispatch(x, ids, experts))
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+    for name, g, w in zip(("ids", "rows", "order", "offsets"), got[1:], want[1:]):
+        assert g.dtype == w.dtype and torch.equal(g, w), name
+
+
+def test_small_route_dispatch_all_tokens_to_one_expert():
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(6))
+    logits[:, 5] += 100.0
+    x = torch.randn(4, 16)
+    _, ids, rows, order, offsets = TR.small_route_dispatch(x, logits, 2, True)
+    want_rows, want_order, want_offsets = R.dispatch(x, ids, 8)
+    assert (ids[:, 0] == 5).all()
+    assert torch.equal(order, want_order) and torch.equal(offsets, want_offsets) and torch.equal(rows, want_rows)
+
+
+def test_route_dispatch_fits_only_few_tokens():
+    assert TR.route_dispatch_fits(1, 256) and TR.route_dispatch_fits(16, 256)
+    assert not TR.route_dispatch_fits(64, 128) and not TR.route_dispatch_fits(0, 8)
