@@ -21,11 +21,35 @@ SMALL_ROUTE = 4096
 
 
 @triton.jit
+def _best_groups(choice, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr):
+    """choice with the experts outside the TOPK_GROUP best groups at -inf; a group's score is the sum of its two best
+    experts (DeepSeek-V3's rule; E_PAD experts, N_GROUP equal groups)."""
+    size: tl.constexpr = E_PAD // N_GROUP
+    grouped = tl.reshape(choice, (BLOCK_T, N_GROUP, size))
+    best = tl.max(grouped, axis=2)
+    group_score = best
+    if size > 1:
+        i = tl.arange(0, size)[None, None, :]
+        first = tl.min(tl.where(grouped == best[:, :, None], i, size), axis=2)
+        group_score = best + tl.max(tl.where(i == first[:, :, None], float("-inf"), grouped), axis=2)
+    g = tl.arange(0, N_GROUP)[None, :]
+    keep = tl.zeros((BLOCK_T, N_GROUP), dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        top = tl.max(group_score, axis=1)
+        pick = tl.min(tl.where(group_score == top[:, None], g, N_GROUP), axis=1)
+        keep = tl.where(g == pick[:, None], 1, keep)
+        group_score = tl.where(g == pick[:, None], float("-inf"), group_score)
+    kept = tl.reshape(tl.broadcast_to(keep[:, :, None], (BLOCK_T, N_GROUP, size)), (BLOCK_T, E_PAD))
+    return tl.where(kept != 0, choice, float("-inf"))
+
+
+@triton.jit
 def _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
            E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
-           RENORM: tl.constexpr):
+           RENORM: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr):
     """(weights, ids) [tokens, K_PAD] of the tokens `tok`: scores (softmax or sigmoid), the top_k by score + bias
-    (lowest id first on ties), their scores (without the bias), optionally renormalised to sum to 1, times scaling."""
+    (lowest id first on ties) among the TOPK_GROUP best of N_GROUP expert groups, their scores (without the bias),
+    optionally renormalised to sum to 1, times scaling."""
     e = tl.arange(0, E_PAD)
     emask = e < num_experts
     x = tl.load(logits_ptr + tok[:, None].to(tl.int64) * num_experts + e[None, :],
@@ -40,6 +64,8 @@ def _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K: tl.con
     if HAS_BIAS:
         choice += tl.load(bias_ptr + e, mask=emask, other=0.0).to(tl.float32)[None, :]
     choice = tl.where(emask[None, :], choice, float("-inf"))
+    if N_GROUP > 1:
+        choice = _best_groups(choice, BLOCK_T, E_PAD, N_GROUP, TOPK_GROUP)
     slot = tl.arange(0, K_PAD)
     top_w = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     top_id = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
@@ -59,12 +85,13 @@ def _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K: tl.con
 @triton.jit
 def _topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, tokens, num_experts, scaling,
                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                 SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+                 SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, N_GROUP: tl.constexpr,
+                 TOPK_GROUP: tl.constexpr):
     """_top_k of a block of tokens, stored."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tok < tokens
     top_w, top_id = _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K, K_PAD, E_PAD, BLOCK_T,
-                           SCORING, HAS_BIAS, RENORM)
+                           SCORING, HAS_BIAS, RENORM, N_GROUP, TOPK_GROUP)
     slot = tl.arange(0, K_PAD)
     out = tok[:, None].to(tl.int64) * TOP_K + slot[None, :]
     smask = tmask[:, None] & (slot[None, :] < TOP_K)
@@ -72,9 +99,16 @@ def _topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, tokens, num_experts
     tl.store(ids_ptr + out, top_id.to(tl.int64), mask=smask)
 
 
+def groups_supported(num_experts: int, n_group: int, topk_group: int) -> bool:
+    """Whether the kernels take this expert grouping: one group, or equal groups of a power-of-2 expert count."""
+    return n_group == 1 or (num_experts == triton.next_power_of_2(num_experts) and num_experts % n_group == 0
+                            and 1 <= topk_group <= n_group)
+
+
 def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
-         correction_bias: torch.Tensor | None = None, scaling_factor: float = 1.0):
-    """(weights [T, k] float32, ids [T, k] int64) as kernels/reference.py's route_grouped with one expert group."""
+         correction_bias: torch.Tensor | None = None, scaling_factor: float = 1.0, n_group: int = 1,
+         topk_group: int = 1):
+    """(weights [T, k] float32, ids [T, k] int64) as kernels/reference.py's route_grouped (groups_supported)."""
     tokens, num_experts = router_logits.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
@@ -86,7 +120,8 @@ def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: st
     _topk_kernel[(triton.cdiv(tokens, block_t),)](
         logits, correction_bias if correction_bias is not None else logits, weights, ids, tokens, num_experts,
         float(scaling_factor), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
-        SCORING=SCORING_IDS[scoring], HAS_BIAS=correction_bias is not None, RENORM=renormalize,
+        SCORING=SCORING_IDS[scoring], HAS_BIAS=correction_bias is not None, RENORM=renormalize, N_GROUP=n_group,
+        TOPK_GROUP=topk_group,
         num_warps=max(1, min(4, block_t * e_pad // 256)))  # decode: one warp's shuffles for its k reductions
     return weights, ids
 
@@ -196,13 +231,14 @@ def _small_route_dispatch_kernel(logits_ptr, bias_ptr, x_ptr, weights_ptr, ids_p
                                  tokens, num_experts, scaling, hidden: tl.constexpr, TOP_K: tl.constexpr,
                                  K_PAD: tl.constexpr, E_PAD: tl.constexpr, T_PAD: tl.constexpr,
                                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                                 BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr):
+                                 N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_A: tl.constexpr,
+                                 BLOCK_H: tl.constexpr):
     """topk and then _small_dispatch_kernel's work in one launch: each program routes every token (the few of a
     decode step) itself, so it knows all the assignments without waiting for another program."""
     tok = tl.arange(0, T_PAD)
     tmask = tok < tokens
     top_w, top_id = _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K, K_PAD, E_PAD, T_PAD,
-                           SCORING, HAS_BIAS, RENORM)
+                           SCORING, HAS_BIAS, RENORM, N_GROUP, TOPK_GROUP)
     slot = tl.arange(0, K_PAD)
     flat = tok[:, None] * TOP_K + slot[None, :]  # the assignment of (token, slot)
     valid = tmask[:, None] & (slot[None, :] < TOP_K)
@@ -230,7 +266,7 @@ def route_dispatch_fits(tokens: int, num_experts: int) -> bool:
 
 def small_route_dispatch(hidden: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
                          scoring: str = "softmax", correction_bias: torch.Tensor | None = None,
-                         scaling_factor: float = 1.0):
+                         scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1):
     """topk then dispatch (dropless) in one launch, for route_dispatch_fits sizes: (weights, ids, rows, order,
     offsets) as topk and dispatch return them."""
     tokens, num_experts = router_logits.shape
@@ -247,5 +283,5 @@ def small_route_dispatch(hidden: torch.Tensor, router_logits: torch.Tensor, top_
         rows, offsets, tokens, num_experts, float(scaling_factor), hidden=width, TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
         T_PAD=triton.next_power_of_2(tokens), SCORING=SCORING_IDS[scoring], HAS_BIAS=correction_bias is not None,
-        RENORM=renormalize, BLOCK_A=block_a, BLOCK_H=min(256, triton.next_power_of_2(width)))
+        RENORM=renormalize, N_GROUP=n_group, TOPK_GROUP=topk_group, BLOCK_A=block_a, BLOCK_H=min(256, triton.next_power_of_2(width)))
     return weights, ids, rows, order, offsets

@@ -27,10 +27,12 @@ def route(router_logits, top_k: int, capacity_factor: float, renormalize: bool):
 
 def route_grouped(router_logits, top_k: int, capacity_factor: float, renormalize: bool, scoring: str,
                   correction_bias, n_group: int, topk_group: int, scaling_factor: float):
-    if n_group > 1 or not _routable(router_logits):  # group-limited selection: the reference kernel
+    if not (_routable(router_logits) and triton_routing.groups_supported(router_logits.shape[-1], n_group,
+                                                                          topk_group)):
         return reference.route_grouped(router_logits, top_k, capacity_factor, renormalize, scoring, correction_bias,
                                        n_group, topk_group, scaling_factor)
-    weights, ids = triton_routing.topk(router_logits, top_k, renormalize, scoring, correction_bias, scaling_factor)
+    weights, ids = triton_routing.topk(router_logits, top_k, renormalize, scoring, correction_bias, scaling_factor,
+                                       n_group, topk_group)
     return reference.drop_over_capacity(weights, ids, capacity_factor, router_logits.shape[-1])
 
 
@@ -45,10 +47,11 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
                    logits_fp32: bool):
     logits = reference.router_logits(hidden, router_weight, router_bias, logits_fp32)
     tokens, num_experts = logits.shape
-    if (n_group == 1 and _routable(logits) and triton_routing.route_dispatch_fits(tokens, num_experts)
+    if (_routable(logits) and triton_routing.groups_supported(num_experts, n_group, topk_group)
+            and triton_routing.route_dispatch_fits(tokens, num_experts)
             and reference.capacity(capacity_factor, tokens, top_k, num_experts) < 0):  # decode: one launch
         return triton_routing.small_route_dispatch(hidden, logits, top_k, renormalize, scoring, correction_bias,
-                                                   scaling_factor)
+                                                   scaling_factor, n_group, topk_group)
     weights, ids = route_grouped(logits, top_k, capacity_factor, renormalize, scoring, correction_bias, n_group,
                                  topk_group, scaling_factor)
     return (weights, ids, *dispatch(hidden, ids, router_weight.shape[0]))

@@ -74,16 +74,17 @@ def cases():
         yield (triton_fp8._grouped_fp8_rowwise_kernel, f"second projection, {warps} warps", {**fp8, "out_ptr": BF16},
                dict(rowwise, K=14336, width=4096, HAS_BIAS=False, GATED=False, ACT=-1, QUANT_OUT=False),
                dict(num_warps=warps, num_stages=4))
-    for scoring, bias in ((0, False), (1, True)):
-        yield (triton_routing._topk_kernel, f"scoring {scoring}",
+    for scoring, bias, groups in ((0, False, (1, 1)), (1, True, (8, 4))):
+        yield (triton_routing._topk_kernel, f"scoring {scoring}, groups {groups}",
                {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                 "scaling": "fp32"},
-               dict(TOP_K=8, K_PAD=8, E_PAD=256, BLOCK_T=16, SCORING=scoring, HAS_BIAS=bias, RENORM=True), {})
+               dict(TOP_K=8, K_PAD=8, E_PAD=256, BLOCK_T=16, SCORING=scoring, HAS_BIAS=bias, RENORM=True,
+                    N_GROUP=groups[0], TOPK_GROUP=groups[1]), {})
     yield (triton_routing._small_route_dispatch_kernel, "E=128, k=8, 16 tokens",
            {"logits_ptr": BF16, "bias_ptr": BF16, "x_ptr": BF16, "weights_ptr": "*fp32", "ids_ptr": "*i64",
             "order_ptr": "*i64", "rows_ptr": BF16, "offsets_ptr": "*i32", "scaling": "fp32"},
            dict(hidden=2048, TOP_K=8, K_PAD=8, E_PAD=128, T_PAD=16, SCORING=0, HAS_BIAS=False, RENORM=True,
-                BLOCK_A=16, BLOCK_H=256), {})
+                N_GROUP=1, TOPK_GROUP=1, BLOCK_A=16, BLOCK_H=256), {})
     yield (triton_routing._rank_kernel, "E=128", {"ids_ptr": "*i64", "rank_ptr": "*i32", "counts_ptr": "*i32"},
            dict(BLOCK=64, B_PAD=256), {})
     scatter = {"x_ptr": BF16, "ids_ptr": "*i64", "rank_ptr": "*i32", "base_ptr": "*i32", "order_ptr": "*i64",

@@ -334,14 +334,19 @@ def test_cuda_routing_matches_reference(tokens, experts, top_k, capacity_factor)
         assert torch.equal(got, want), name
 
 
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (16, 128, 8), (3, 6, 6), (1, 8, 2), (8, 256, 8)])
+@pytest.mark.parametrize("tokens,experts,top_k,n_group", [(1, 128, 8, 1), (16, 128, 8, 1), (3, 6, 6, 1), (1, 8, 2, 1),
+                                                          (8, 256, 8, 8), (64, 256, 8, 8)])
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0])  # 1.0: drops, the separate kernels
-def test_cuda_route_dispatch_matches_reference(tokens, experts, top_k, capacity_factor):
-    """route_dispatch at decode sizes (one launch when dropless) against the reference kernels, bf16 operands."""
+def test_cuda_route_dispatch_matches_reference(tokens, experts, top_k, n_group, capacity_factor):
+    """route_dispatch at decode sizes (one launch when dropless) against the reference kernels, bf16 operands;
+    DeepSeek-V3's grouped sigmoid routing with 8 groups."""
     gen = torch.Generator(device=DEVICE).manual_seed(tokens + experts)
     x = torch.randn(tokens, 256, generator=gen, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(experts, 256, generator=gen, device=DEVICE, dtype=torch.bfloat16)
-    args = (top_k, capacity_factor, True, "softmax", None, 1, 1, 1.0, False)
+    grouped = n_group > 1
+    bias = torch.randn(experts, generator=gen, device=DEVICE) * 0.1 if grouped else None
+    args = (top_k, capacity_factor, True, "sigmoid" if grouped else "softmax", bias, n_group, 4 if grouped else 1,
+            2.5 if grouped else 1.0, grouped)
     got, want = C.route_dispatch(x, w, None, *args), R.route_dispatch(x, w, None, *args)
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
     for name, g, r in zip(("ids", "rows", "order", "offsets"), got[1:], want[1:]):

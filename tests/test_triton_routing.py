@@ -25,6 +25,28 @@ def test_topk_sigmoid_bias_scaling_matches_route_grouped():
     torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens,experts,top_k,n_group,topk_group", [(19, 256, 8, 8, 4), (5, 16, 3, 4, 2),
+                                                                      (3, 8, 2, 8, 3), (1, 64, 6, 4, 1)])
+def test_topk_expert_groups_match_route_grouped(tokens, experts, top_k, n_group, topk_group):
+    """DeepSeek-V3's group-limited selection (sigmoid + correction bias, the topk_group best groups by the sum of
+    their two best experts); groups of one expert too."""
+    gen = torch.Generator().manual_seed(tokens + experts)
+    logits, bias = torch.randn(tokens, experts, generator=gen), torch.randn(experts, generator=gen) * 0.1
+    assert TR.groups_supported(experts, n_group, topk_group)
+    weights, ids = TR.topk(logits, top_k, True, "sigmoid", bias, 2.5, n_group, topk_group)
+    want_w, want_ids = R.route_grouped(logits, top_k, 0.0, True, "sigmoid", bias, n_group, topk_group, 2.5)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
+    got = TR.small_route_dispatch(torch.randn(tokens, 8, generator=gen), logits, top_k, True, "sigmoid", bias, 2.5,
+                                  n_group, topk_group)
+    assert torch.equal(got[1], want_ids)
+
+
+def test_groups_supported_needs_equal_power_of_2_groups():
+    assert TR.groups_supported(60, 1, 1) and TR.groups_supported(256, 8, 4)
+    assert not TR.groups_supported(96, 8, 4) and not TR.groups_supported(256, 8, 9)
+
+
 def test_topk_all_tokens_to_one_expert():
     logits = torch.randn(10, 5, generator=torch.Generator().manual_seed(5))
     logits[:, 3] += 100.0
