@@ -283,5 +283,6 @@ def small_route_dispatch(hidden: torch.Tensor, router_logits: torch.Tensor, top_
         rows, offsets, tokens, num_experts, float(scaling_factor), hidden=width, TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
         T_PAD=triton.next_power_of_2(tokens), SCORING=SCORING_IDS[scoring], HAS_BIAS=correction_bias is not None,
-        RENORM=renormalize, N_GROUP=n_group, TOPK_GROUP=topk_group, BLOCK_A=block_a, BLOCK_H=min(256, triton.next_power_of_2(width)))
+        RENORM=renormalize, N_GROUP=n_group, TOPK_GROUP=topk_group, BLOCK_A=block_a,
+        BLOCK_H=min(256, triton.next_power_of_2(width)))
     return weights, ids, rows, order, offsets
