@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,16")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--layers", type=int, help="layers of every model (default: each model's in bench/generate.py)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out")
     a = p.parse_args(argv)
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
              "|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for name in a.models.split(","):
-        model = build(name, a.tiny, a.device, torch.bfloat16)
+        model = build(name, a.tiny, a.device, torch.bfloat16, a.layers)
         reference_model = copy.deepcopy(model).float()
         for batch in [int(b) for b in a.batches.split(",")]:
             ids = torch.randint(0, model.config.vocab_size, (batch, a.prompt),

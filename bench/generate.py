@@ -60,6 +60,8 @@ def build(name: str, tiny: bool, device: str, dtype: torch.dtype, layers: int | 
     config_type = getattr(transformers, config_cls)
     if tiny:
         sizes = {**sizes, **{k: v for k, v in TINY.items() if k in sizes}}
+        if "kv_lora_rank" in sizes:  # MLA: a key and value head per query head
+            sizes["num_key_value_heads"] = sizes["num_attention_heads"]
     config = config_type(num_hidden_layers=layers, max_position_embeddings=4096, **sizes)
     config.eos_token_id = None
     model = instantiate(model_cls, config, device, dtype)
