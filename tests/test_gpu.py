@@ -353,6 +353,21 @@ def test_cuda_route_dispatch_matches_reference(tokens, experts, top_k, n_group, 
         assert torch.equal(g, r), name
 
 
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (3, 8, 2), (8, 8, 2), (40, 8, 2)])
+def test_cuda_decode_layer_matches_reference_kernels(tokens, experts, top_k, monkeypatch):
+    """Decode-sized MoE layers (combine searching `order` up to SEARCH_ROWS assignments; 40 x 2 is past it) against
+    the reference kernels on the same bf16 weights."""
+    torch.manual_seed(tokens)
+    block = MoEBlock(MoEConfig(hidden_size=256, expert_size=128, num_experts=experts, top_k=top_k,
+                               capacity_factor=0.0, activation="silu", gated=True)).to(DEVICE, torch.bfloat16).eval()
+    x = torch.randn(tokens, 256, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = block(x)
+        monkeypatch.setenv("MOECOMPILE_KERNELS", "reference")
+        want = block(x)
+    assert _rel(got, want) <= 2e-2
+
+
 def test_compiled_hf_moe_runs_its_moe_ops_inside_cuda_graphs():
     """moecompile.compile(model, mode="reduce-overhead") (bench/results/compile-h200-*-cudagraphs.md): inductor
     records the graph with the moecompile ops in it (no cudagraph skip) and its replays give eager's output on
