@@ -35,6 +35,15 @@ EAGER_HF_ROWS_PER_EXPERT = 2
 EXPERT_GEMM_CONFIG = "expert_gemm.json"  # in moecompile.kernels' configs/
 
 
+# Decode routing: top-k and dispatch in one launch, except one token over more experts than this, where the one-warp
+# top-k kernel and then the dispatch kernel measured faster (bench/route_dispatch.py).
+ONE_LAUNCH_ROUTE_MAX_EXPERTS_AT_ONE_TOKEN = 64
+
+
+def one_launch_route(tokens: int, num_experts: int) -> bool:
+    return tokens > 1 or num_experts <= ONE_LAUNCH_ROUTE_MAX_EXPERTS_AT_ONE_TOKEN
+
+
 def is_batch(rows: int, num_experts: int) -> bool:
     return rows >= DECODE_ROWS_PER_EXPERT * num_experts
 

@@ -49,6 +49,7 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
     tokens, num_experts = logits.shape
     if (_routable(logits) and triton_routing.groups_supported(num_experts, n_group, topk_group)
             and triton_routing.route_dispatch_fits(tokens, num_experts)
+            and choices.one_launch_route(tokens, num_experts)
             and reference.capacity(capacity_factor, tokens, top_k, num_experts) < 0):  # decode: one launch
         return triton_routing.small_route_dispatch(hidden, logits, top_k, renormalize, scoring, correction_bias,
                                                    scaling_factor, n_group, topk_group)

@@ -125,3 +125,11 @@ def test_small_route_dispatch_all_tokens_to_one_expert():
 def test_route_dispatch_fits_only_few_tokens():
     assert TR.route_dispatch_fits(1, 256) and TR.route_dispatch_fits(16, 256)
     assert not TR.route_dispatch_fits(64, 128) and not TR.route_dispatch_fits(0, 8)
+
+
+def test_one_launch_route_policy():
+    """runtime/choices: the one-launch route + dispatch except one token over many experts (bench/route_dispatch.py)."""
+    from moecompile.runtime import choices
+
+    assert choices.one_launch_route(16, 128) and choices.one_launch_route(1, 8)
+    assert not choices.one_launch_route(1, 128)
