@@ -12,19 +12,15 @@ import time
 import torch
 
 from moecompile.kernels import triton_routing
-from moecompile.runtime import choices
+from moecompile.runtime import choices, graphs
 from moecompile.runtime import cuda as C
 
 SHAPES = ((1, 128, 8), (16, 128, 8), (1, 8, 2), (16, 8, 2), (1, 256, 8))  # tokens, experts, top-k
 
 
 def graph_us(fn, calls: int = 20, replays: int = 100) -> float:
-    for _ in range(50):
-        fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    """Mean time per call of fn, `calls` of them captured in one CUDA graph, over `replays` replays."""
+    graph, _ = graphs.capture(lambda: [fn() for _ in range(calls)], warmup=3)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(replays):

@@ -14,8 +14,11 @@ from moecompile.runtime import choices, fp8
 from moecompile.runtime.registry import KEPT_H, register_kernel
 
 
-def _routable(router_logits: torch.Tensor) -> bool:
-    return router_logits.is_cuda and router_logits.shape[-1] <= triton_routing.MAX_EXPERTS
+def _routable(router_logits: torch.Tensor, n_group: int = 1, topk_group: int = 1) -> bool:
+    """Whether the Triton routing kernels take these logits and this expert grouping."""
+    num_experts = router_logits.shape[-1]
+    return (router_logits.is_cuda and num_experts <= triton_routing.MAX_EXPERTS
+            and triton_routing.groups_supported(num_experts, n_group, topk_group))
 
 
 def route(router_logits, top_k: int, capacity_factor: float, renormalize: bool):
@@ -27,8 +30,7 @@ def route(router_logits, top_k: int, capacity_factor: float, renormalize: bool):
 
 def route_grouped(router_logits, top_k: int, capacity_factor: float, renormalize: bool, scoring: str,
                   correction_bias, n_group: int, topk_group: int, scaling_factor: float):
-    if not (_routable(router_logits) and triton_routing.groups_supported(router_logits.shape[-1], n_group,
-                                                                          topk_group)):
+    if not _routable(router_logits, n_group, topk_group):
         return reference.route_grouped(router_logits, top_k, capacity_factor, renormalize, scoring, correction_bias,
                                        n_group, topk_group, scaling_factor)
     weights, ids = triton_routing.topk(router_logits, top_k, renormalize, scoring, correction_bias, scaling_factor,
@@ -47,8 +49,7 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
                    logits_fp32: bool):
     logits = reference.router_logits(hidden, router_weight, router_bias, logits_fp32)
     tokens, num_experts = logits.shape
-    if (_routable(logits) and triton_routing.groups_supported(num_experts, n_group, topk_group)
-            and triton_routing.route_dispatch_fits(tokens, num_experts)
+    if (_routable(logits, n_group, topk_group) and triton_routing.route_dispatch_fits(tokens, num_experts)
             and choices.one_launch_route(tokens, num_experts)
             and reference.capacity(capacity_factor, tokens, top_k, num_experts) < 0):  # decode: one launch
         return triton_routing.small_route_dispatch(hidden, logits, top_k, renormalize, scoring, correction_bias,
