@@ -312,6 +312,15 @@ def combine_backward(grad_out, expert_out, order, weights):
     return grad_rows.index_select(0, order).to(expert_out.dtype), grad_weights.to(weights.dtype)
 
 
+# ---- routed_experts: dispatch + experts + combine as one op (what direct_experts emits)
+
+def routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation: str, gated: bool,
+                   interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0):
+    rows, order, offsets = dispatch(x, expert_ids, w_in.shape[0])
+    out = experts(rows, offsets, w_in, b_in, w_out, b_out, activation, gated, interleaved, alpha, limit)
+    return combine(out, order, weights)
+
+
 # ---- route_dispatch: router linear + route_grouped + dispatch as one op (what fuse_route_dispatch emits)
 
 def router_logits(hidden, router_weight, router_bias, logits_fp32: bool):

@@ -27,8 +27,12 @@ OPTIONS = {
     "mode": (str, None, "inductor mode, as torch.compile's mode= (e.g. max-autotune-no-cudagraphs)"),
     "inductor_config": (dict, None, "inductor config patches"),
     "fuse": (bool, True, "fuse_route_dispatch: router linear + routing + permutation as one op"),
+    "direct_experts": (bool, True, "direct_experts: at a few tokens (decode) permutation + experts + combine as one "
+                                   "op over the unsorted assignments (inference graphs)"),
     "fuse_projections": (bool, True, "fuse_projections: linears reading one tensor (q/k/v, gate/up) as one GEMM "
                                      "over weights concatenated once (inference graphs)"),
+    "gqa_attention": (bool, True, "gqa_attention: attention over repeated key/value heads as SDPA's grouped-query "
+                                  "attention where a fused kernel takes it (inference graphs)"),
     "capacity_factor": ((int, float), None, "set_capacity: one capacity factor for every router (MoEConfig's "
                                             "convention)"),
     "print_graph": (bool, False, "print the graph before and after each pass"),
@@ -170,8 +174,8 @@ def _constants_as_inputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[torch
 def compile(model, *, fullgraph: bool = False, dynamic: bool | None = None, **options):
     """torch.compile(model, backend="moecompile", options=options), without going through the entry point.
 
-    Options (see OPTIONS): inductor, mode, inductor_config, fuse, fuse_projections, capacity_factor, print_graph,
-    fp8, expert_parallel."""
+    Options (see OPTIONS): inductor, mode, inductor_config, fuse, direct_experts, fuse_projections, gqa_attention,
+    capacity_factor, print_graph, fp8, expert_parallel."""
     recorded = getattr(getattr(model, "config", None), "moecompile", None)  # a native checkpoint's conversion record
     if isinstance(recorded, dict) and "capacity_factor" in recorded:
         options.setdefault("capacity_factor", recorded["capacity_factor"])

@@ -27,6 +27,9 @@ _KINDS = {
     "view": ({torch.reshape}, {"view", "reshape"}, {"aten::view", "aten::reshape", "aten::_unsafe_view"}),
     "getitem": ({operator.getitem}, set(), set()),
     "chunk": ({torch.chunk}, {"chunk"}, {"aten::chunk"}),
+    "expand": (set(), {"expand"}, {"aten::expand"}),
+    "sdpa": ({F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}, set(),
+             {"aten::scaled_dot_product_attention"}),
 }
 
 

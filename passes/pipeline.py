@@ -16,9 +16,11 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from moecompile import settings
+from moecompile.passes.direct_experts import direct_experts
 from moecompile.passes.find_ffn import find_ffn
 from moecompile.passes.fuse_projections import fuse_projections
 from moecompile.passes.fuse_route_dispatch import fuse_route_dispatch
+from moecompile.passes.gqa_attention import gqa_attention
 from moecompile.passes.insert_all_to_all import insert_all_to_all
 from moecompile.passes.insert_fp8 import insert_fp8
 from moecompile.passes.keep_first_projection import keep_first_projection
@@ -32,16 +34,18 @@ PIPELINES = {
     # (here and below) insert_fp8 and insert_all_to_all run only when options["fp8"] / options["expert_parallel"] ask
     "convert": [find_ffn, moeize, insert_fp8, insert_all_to_all],
     # Dynamo graphs in the torch.compile backend: existing MoE blocks -> moecompile ops, then their optimisation
-    # (keep_first_projection only in training graphs, fuse_projections only in inference graphs).
-    "compile": [recognise_moe, set_capacity, fuse_route_dispatch, insert_fp8, insert_all_to_all,
-                keep_first_projection, fuse_projections],
+    # (keep_first_projection only in training graphs; direct_experts, fuse_projections, gqa_attention only in
+    # inference graphs).
+    "compile": [recognise_moe, set_capacity, direct_experts, fuse_route_dispatch, insert_fp8, insert_all_to_all,
+                keep_first_projection, fuse_projections, gqa_attention],
 }
 PIPELINE = PIPELINES["convert"]
 
 # passes that an option turns on (default None: off) or off (default True: on): pass -> (option, default)
-GATES = {set_capacity: ("capacity_factor", None), fuse_route_dispatch: ("fuse", True),
+GATES = {set_capacity: ("capacity_factor", None), direct_experts: ("direct_experts", True),
+         fuse_route_dispatch: ("fuse", True),
          insert_fp8: ("fp8", None), insert_all_to_all: ("expert_parallel", None),
-         fuse_projections: ("fuse_projections", True)}
+         fuse_projections: ("fuse_projections", True), gqa_attention: ("gqa_attention", True)}
 
 
 class GraphCheckError(RuntimeError):

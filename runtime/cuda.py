@@ -9,7 +9,7 @@ reads them.
 """
 import torch
 
-from moecompile.kernels import grouped_mm, reference, triton_moe, triton_routing
+from moecompile.kernels import grouped_mm, reference, triton_direct, triton_moe, triton_routing
 from moecompile.runtime import choices, fp8
 from moecompile.runtime.registry import KEPT_H, register_kernel
 
@@ -118,6 +118,14 @@ def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gat
     return grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out
 
 
+def routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation: str, gated: bool):
+    tokens, top_k = expert_ids.shape
+    if choices.direct_experts(tokens, top_k, w_in.shape[0]):
+        return triton_direct.routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation, gated)
+    rows, order, offsets = dispatch(x, expert_ids, w_in.shape[0])
+    return combine(experts(rows, offsets, w_in, b_in, w_out, b_out, activation, gated), order, weights)
+
+
 def combine(expert_out, order, weights):
     return triton_moe.combine(expert_out, order, weights)
 
@@ -130,8 +138,8 @@ def dispatch_backward(grad_sorted, order, tokens: int, top_k: int):
     return triton_moe.gather_sum(grad_sorted, order, tokens, top_k)
 
 
-for _op in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_train", "combine",
-            "combine_backward", "dispatch_backward"):
+for _op in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_train", "routed_experts",
+            "combine", "combine_backward", "dispatch_backward"):
     register_kernel(_op, "cuda", globals()[_op])
 register_kernel("experts_backward", "cuda", experts_backward, supports={KEPT_H})
 register_kernel("quantize_fp8", "cuda", fp8.quantize_fp8)

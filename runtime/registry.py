@@ -93,6 +93,6 @@ for _op in ("route", "route_backward", "dispatch", "dispatch_backward", "combine
             "route_grouped", "route_grouped_backward", "route_dispatch", "route_dispatch_backward", "quantize_fp8",
             "experts_fp8"):
     register_kernel(_op, REFERENCE, getattr(reference, _op))
-for _op in ("experts", "experts_train"):
+for _op in ("experts", "experts_train", "routed_experts"):
     register_kernel(_op, REFERENCE, getattr(reference, _op), supports={INTERLEAVED})
 register_kernel("experts_backward", REFERENCE, reference.experts_backward, supports={INTERLEAVED, KEPT_H})

@@ -369,6 +369,23 @@ def test_cuda_decode_layer_matches_reference_kernels(tokens, experts, top_k, mon
     assert _rel(got, want) <= 2e-2
 
 
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,width", [(1, 128, 8, 2048, 768), (4, 128, 8, 2048, 768),
+                                                                (1, 8, 2, 4096, 1024), (1, 64, 6, 200, 72)])
+@pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
+def test_cuda_direct_experts_match_reference_kernels(tokens, experts, top_k, hidden, width, gated, bias):
+    """The direct kernels (autotuned, bf16) against routed_experts' reference (dispatch + experts + combine)."""
+    from moecompile.kernels import triton_direct
+
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device=DEVICE, generator=gen).bfloat16()
+    logits = torch.randn(tokens, experts, device=DEVICE, generator=gen)
+    w_in, b_in, w_out, b_out = _bf16(*_weights(experts, hidden, width, gated, bias, gen))
+    weights, ids = ops.route(logits, top_k, 0.0, True)
+    got = triton_direct.routed_experts(x, weights, ids, w_in, b_in, w_out, b_out, "silu", gated)
+    want = R.routed_experts(x, weights, ids, w_in, b_in, w_out, b_out, "silu", gated)
+    assert _rel(got, want) <= 2e-2
+
+
 def test_compiled_hf_moe_runs_its_moe_ops_inside_cuda_graphs():
     """moecompile.compile(model, mode="reduce-overhead") (bench/results/compile-h200-*-cudagraphs.md): inductor
     records the graph with the moecompile ops in it (no cudagraph skip) and its replays give eager's output on
@@ -390,4 +407,32 @@ def test_compiled_hf_moe_runs_its_moe_ops_inside_cuda_graphs():
     inductor = torch._dynamo.utils.counters["inductor"]
     assert inductor["cudagraph_skips"] == 0 and inductor["cudagraph_recorded_non_static_inputs"] >= 1
     assert moecompile.backend.records()[-1].moe_blocks == 2
+    torch._dynamo.reset()
+
+
+def test_decode_step_runs_grouped_query_attention_and_direct_experts(monkeypatch):
+    """moecompile.generate on a tiny Qwen3-MoE (bf16; its 6 experts count as many for the direct experts here): the
+    decode step's graph has SDPA with enable_gqa (no repeated key/value heads) and routed_experts, and its first
+    greedy tokens are HF eager's."""
+    from hf_moe import tiny_moe, token_ids
+
+    import moecompile
+    from moecompile.conversion.models import TINY_MOE
+
+    monkeypatch.setattr(choices, "DIRECT_EXPERTS_MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
+    torch._dynamo.reset()
+    moecompile.backend.clear_records()
+    config, _ = TINY_MOE["tiny-qwen3-moe"]()
+    assert config.num_key_value_heads < config.num_attention_heads
+    model = tiny_moe("tiny-qwen3-moe").to(DEVICE, torch.bfloat16)
+    ids = token_ids(batch=1).to(DEVICE)
+    with torch.no_grad():
+        got = moecompile.generate(model, ids, max_new_tokens=6)
+    reports = [dict(r.reports) for r in moecompile.backend.records()]
+    step = reports[-1]  # the decode step's graph (prefill's came first)
+    assert len(step["gqa_attention"]["rewritten"]) == 2, step["gqa_attention"]
+    assert len(step["direct_experts"]["direct"]) == 2
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert (got[:, :ids.shape[1] + 2] == want[:, :ids.shape[1] + 2]).all()  # bf16: later near-ties may differ
     torch._dynamo.reset()

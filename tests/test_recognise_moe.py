@@ -106,6 +106,7 @@ def test_dense_model_has_nothing_to_recognise():
     assert ctx.checked == "fake"  # every pass's graph was fake-tensor propagated, not only linted
     assert dict(ctx.reports) == {"recognise_moe": {"recognised": [], "rejected": []},
                                  "set_capacity": {"skipped": "off (option capacity_factor=None)"},
+                                 "direct_experts": {"direct": []},
                                  "fuse_route_dispatch": {"fused": []},
                                  "insert_fp8": {"skipped": "off (option fp8=None)"},
                                  "insert_all_to_all": {"skipped": "off (option expert_parallel=None)"},
@@ -207,9 +208,9 @@ def test_graph_check_catches_a_pass_that_breaks_the_graph():
 
 
 def test_compile_pipeline_is_one_ordered_list():
-    assert [p.__name__ for p in PIPELINES["compile"]] == ["recognise_moe", "set_capacity", "fuse_route_dispatch",
-                                                          "insert_fp8", "insert_all_to_all", "keep_first_projection",
-                                                          "fuse_projections"]
+    assert [p.__name__ for p in PIPELINES["compile"]] == ["recognise_moe", "set_capacity", "direct_experts",
+                                                          "fuse_route_dispatch", "insert_fp8", "insert_all_to_all",
+                                                          "keep_first_projection", "fuse_projections"]
     assert [p.__name__ for p in PIPELINES["convert"]] == ["find_ffn", "moeize", "insert_fp8", "insert_all_to_all"]
 
 

@@ -150,7 +150,7 @@ dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
 # Gated w_in rows are [gate | up] halves, or interleaved row by row when `interleaved` (GPT-OSS); alpha and limit
 # only parameterise activation "swiglu_oai" (GPT-OSS's clamped SwiGLU).
 
-def _glu_args(activation: str, interleaved: bool, alpha: float, limit: float) -> tuple:
+def glu_args(activation: str, interleaved: bool, alpha: float, limit: float) -> tuple:
     """The trailing kernel arguments, passed only when used, so kernels written for the original eight-argument
     contract keep serving every model that needs nothing more."""
     return (interleaved, alpha, limit) if interleaved or activation == "swiglu_oai" else ()
@@ -166,7 +166,7 @@ def _experts_kernel(op: str, x: Tensor, glu: tuple) -> Kernel:
 def experts(x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor], w_out: Tensor,
             b_out: Optional[Tensor], activation: str, gated: bool, interleaved: bool = False, alpha: float = 1.702,
             limit: float = 7.0) -> Tensor:
-    glu = _glu_args(activation, interleaved, alpha, limit)
+    glu = glu_args(activation, interleaved, alpha, limit)
     return _experts_kernel("experts", x, glu).fn(x, offsets, w_in, b_in, w_out, b_out, activation, gated, *glu)
 
 
@@ -182,7 +182,7 @@ def experts_train(x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tenso
     """experts() for training: (y, h) with h = x W_in^T before the bias, kept for the backward, which then skips
     recomputing the first projection (a quarter of its GEMM FLOPs) for N x F more activation memory. h is not
     differentiable; rows past the groups are unspecified."""
-    glu = _glu_args(activation, interleaved, alpha, limit)
+    glu = glu_args(activation, interleaved, alpha, limit)
     return _experts_kernel("experts_train", x, glu).fn(x, offsets, w_in, b_in, w_out, b_out, activation, gated, *glu)
 
 
@@ -199,7 +199,7 @@ def experts_backward(grad_y: Tensor, x: Tensor, offsets: Tensor, w_in: Tensor, b
     """Returns (grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out); a missing bias's grad is an empty tensor
     (custom ops cannot return None). h: experts_train's first projection (else recomputed; so too by a kernel
     that takes no h)."""
-    glu = _glu_args(activation, interleaved, alpha, limit)
+    glu = glu_args(activation, interleaved, alpha, limit)
     kernel = _experts_kernel("experts_backward", x, glu)
     kept = {"h": h} if h is not None and KEPT_H in kernel.supports else {}
     grads = kernel.fn(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, *glu, **kept)
@@ -283,6 +283,25 @@ def _combine_backward(ctx, grad_out):
 
 
 combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+# ---- routed_experts: dispatch -> experts -> combine in one op for few tokens (emitted by direct_experts)
+
+@torch.library.custom_op("moecompile::routed_experts", mutates_args=())
+def routed_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, w_in: Tensor, b_in: Optional[Tensor],
+                   w_out: Tensor, b_out: Optional[Tensor], activation: str, gated: bool, interleaved: bool = False,
+                   alpha: float = 1.702, limit: float = 7.0) -> Tensor:
+    """x [T, H], weights / expert_ids [T, k] (route's outputs) -> [T, H]: out[t] = sum_j weights[t, j] *
+    FFN_{expert_ids[t, j]}(x[t]), what dispatch, experts and combine compute together. Inference only."""
+    glu = glu_args(activation, interleaved, alpha, limit)
+    return _experts_kernel("routed_experts", x, glu).fn(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation,
+                                                        gated, *glu)
+
+
+@routed_experts.register_fake
+def _(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation, gated, interleaved=False, alpha=1.702,
+      limit=7.0):
+    return x.new_empty(x.shape[0], w_out.shape[1])
 
 
 # ---- route_dispatch: router linear -> route_grouped -> dispatch in one op (emitted by fuse_route_dispatch)

@@ -1,0 +1,90 @@
+"""direct_experts: dispatch -> experts -> combine becomes one moecompile::routed_experts where the batch is a few
+tokens (decode), as runtime.choices.direct_experts decides from the graph's static token count.
+
+    before   rows, order, offsets = dispatch(x, ids, E)    y = experts(rows, offsets, ...)    combine(y, order, w)
+    after    routed_experts(x, w, ids, ...)
+
+At a few tokens the sorted form costs three launches around the expert GEMMs (the sort, the row copy, the
+combine) and tiles that are mostly empty rows; routed_experts reads each assignment's expert and token directly
+and folds the routing weights into its second projection (kernels/triton_direct.py). Inference graphs only, and
+only where no later pass needs the dispatched rows (FP8 quantises them, expert parallelism exchanges them) or the
+kernels need GPT-OSS's interleaved gate/up. Runs before fuse_route_dispatch, which then leaves these routers as
+they are: their top-k is the only routing left.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from moecompile.ir.ops import glu_args
+from moecompile.passes.nodes import arg, call_op, moe_op, op_args, value
+from moecompile.runtime import choices
+
+ROUTED_EXPERTS = torch.ops.moecompile.routed_experts.default
+NEEDS_DISPATCHED_ROWS = ("fp8", "expert_parallel")  # options whose passes rewrite the dispatched rows
+
+
+def _static_int(size) -> int | None:
+    return size if isinstance(size, int) else None
+
+
+def _match(combine: fx.Node):
+    """(dispatch, experts) when combine's rows come from experts over one dispatch's rows, in that dispatch's order,
+    and nothing else reads the dispatch."""
+    experts = arg(combine, "expert_out")
+    if moe_op(experts) != "experts" or len(experts.users) != 1:
+        return None
+    rows, offsets, order = arg(experts, "x"), arg(experts, "offsets"), arg(combine, "order")
+    parts = {}
+    for i, node in enumerate((rows, order, offsets)):
+        if not (node.op == "call_function" and node.target is operator.getitem and node.args[1] == i):
+            return None
+        parts[i] = node
+    dispatch = rows.args[0]  # (getitem's tuple)
+    if moe_op(dispatch) != "dispatch" or any(p.args[0] is not dispatch for p in parts.values()):
+        return None
+    readers = {u for p in parts.values() for u in p.users}
+    if readers != {experts, combine} or len(dispatch.users) != 3:
+        return None
+    return dispatch, experts
+
+
+def _decode_sized(dispatch: fx.Node) -> bool:
+    hidden, ids = value(arg(dispatch, "hidden")), value(arg(dispatch, "expert_ids"))
+    if hidden is None or ids is None:
+        return False
+    tokens, top_k = _static_int(ids.shape[0]), _static_int(ids.shape[-1])
+    return tokens is not None and top_k is not None and choices.direct_experts(tokens, top_k,
+                                                                               arg(dispatch, "num_experts"))
+
+
+def direct_experts(gm: fx.GraphModule, ctx) -> dict:
+    """Pass: each decode-sized dispatch -> experts -> combine chain becomes one routed_experts node."""
+    needed = [o for o in NEEDS_DISPATCHED_ROWS if ctx.options.get(o)]
+    if ctx.training or needed:
+        return {"direct": [], "kept": "training graph" if ctx.training else f"option {needed[0]}"}
+    graph, direct = gm.graph, []
+    for combine in [n for n in graph.nodes if moe_op(n) == "combine"]:
+        found = _match(combine)
+        if found is None:
+            continue
+        dispatch, experts = found
+        e = op_args(experts)
+        if glu_args(e["activation"], e["interleaved"], e["alpha"], e["limit"]) or not _decode_sized(dispatch):
+            continue
+        meta = {k: experts.meta[k] for k in ("nn_module_stack", "stack_trace", "moecompile_block")
+                if k in experts.meta}
+        with graph.inserting_before(combine):
+            node = call_op(graph, ROUTED_EXPERTS, meta, x=arg(dispatch, "hidden"), weights=arg(combine, "weights"),
+                           expert_ids=arg(dispatch, "expert_ids"),
+                           **{k: e[k] for k in ("w_in", "b_in", "w_out", "b_out", "activation", "gated")})
+        combine.replace_all_uses_with(node)
+        graph.erase_node(combine)
+        graph.erase_node(experts)
+        for getitem in list(dispatch.users):
+            graph.erase_node(getitem)
+        graph.erase_node(dispatch)
+        direct.append(meta.get("moecompile_block", node.name))
+    return {"direct": direct}

@@ -1,0 +1,74 @@
+"""gqa_attention: attention over key/value heads repeated to the query heads (Hugging Face's repeat_kv) becomes
+SDPA's own grouped-query attention, where a fused kernel takes it (runtime.choices.gqa_attention).
+
+    before   k = k[:, :, None].expand(b, kv, n, L, d).reshape(b, kv * n, L, d)    (v alike)
+             scaled_dot_product_attention(q, k, v, attn_mask=m, ...)
+    after    scaled_dot_product_attention(q, k, v, attn_mask=m, ..., enable_gqa=True)
+
+HF repeats the heads whenever it passes a mask (a static cache always does): a copy of the whole key/value cache,
+n times over, in every layer at every decode step, before attention reads it again. With enable_gqa the kernel
+reads each key/value head once for its n query heads. Inference graphs of the backend; the query-head to key/value-head
+mapping of repeat_kv (head h reads head h // n) is the one enable_gqa uses.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from moecompile.passes.nodes import arg, kind, set_arg, value
+from moecompile.runtime import choices
+
+_ALL = slice(None, None, None)
+_UNSQUEEZE_2 = (_ALL, _ALL, None, _ALL, _ALL)  # x[:, :, None, :, :]
+
+
+def _repeated_heads(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(the [b, kv, L, d] tensor, n) when node is repeat_kv's reshape(expand(x[:, :, None])) of it, n > 1."""
+    if kind(node) != "view" or kind(node.args[0]) != "expand":
+        return None
+    expand = node.args[0]
+    unsqueezed = expand.args[0]
+    if not (unsqueezed.op == "call_function" and unsqueezed.target is operator.getitem
+            and unsqueezed.args[1] == _UNSQUEEZE_2):
+        return None
+    base = unsqueezed.args[0]
+    shapes = [value(n) for n in (base, node)]
+    if any(v is None for v in shapes) or shapes[0].dim() != 4:
+        return None
+    (b, kv, length, d), repeated = shapes[0].shape, tuple(shapes[1].shape)
+    if kv == 0 or repeated[1] % kv or repeated != (b, repeated[1], length, d):
+        return None
+    n = repeated[1] // kv
+    return (base, n) if n > 1 else None
+
+
+def gqa_attention(gm: fx.GraphModule, ctx) -> dict:
+    """Pass: each SDPA over repeat_kv'd keys and values reads the key/value heads themselves (enable_gqa)."""
+    if ctx.training:
+        return {"skipped": "training graph"}
+    graph, rewritten = gm.graph, []
+    for node in [n for n in graph.nodes if kind(n) == "sdpa"]:
+        if arg(node, "enable_gqa"):
+            continue
+        key, value_ = (_repeated_heads(arg(node, name)) for name in ("key", "value"))
+        if key is None or value_ is None or key[1] != value_[1]:
+            continue
+        query, mask = value(arg(node, "query")), value(arg(node, "attn_mask"))
+        if query is None or not choices.gqa_attention(query, value(key[0]), value(value_[0]), mask,
+                                                     arg(node, "dropout_p"), arg(node, "is_causal")):
+            continue
+        old = [arg(node, "key"), arg(node, "value")]
+        set_arg(node, "key", key[0])
+        set_arg(node, "value", value_[0])
+        set_arg(node, "enable_gqa", True)
+        for repeated in old:  # the reshape, expand and indexing, once nothing else reads them
+            while repeated.op == "call_function" or repeated.op == "call_method":
+                if repeated.users or repeated is key[0] or repeated is value_[0]:
+                    break
+                source = repeated.args[0]
+                graph.erase_node(repeated)
+                repeated = source
+        rewritten.append(node.name)
+    return {"rewritten": rewritten}

@@ -1,0 +1,137 @@
+"""Experts over unsorted assignments at a few tokens: the Triton kernels (kernels/triton_direct.py, interpreted on
+CPU) and the routed_experts op against dispatch + experts + combine, and the direct_experts pass on Dynamo graphs
+of every tiny HF family."""
+import pytest
+import torch
+from hf_moe import FAMILIES, MOE_LAYERS, dynamo_graphs, moe_nodes, tiny_moe, token_ids
+
+from moecompile.ir import ops
+from moecompile.kernels import reference as R
+from moecompile.kernels import triton_direct
+from moecompile.passes.pipeline import run_pipeline
+from moecompile.runtime import choices
+
+TILES = {"in": {"BLOCK_N": 8, "BLOCK_K": 16}, "out": {"BLOCK_N": 8, "BLOCK_K": 8}}  # several tiles at tiny sizes
+
+
+def _experts(num_experts, hidden, width, gated, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w_in = torch.randn(num_experts, (2 if gated else 1) * width, hidden, generator=gen) / hidden ** 0.5
+    w_out = torch.randn(num_experts, hidden, width, generator=gen) / width ** 0.5
+    b_in = torch.randn(num_experts, w_in.shape[1], generator=gen) if bias else None
+    b_out = torch.randn(num_experts, hidden, generator=gen) if bias else None
+    return w_in, b_in, w_out, b_out
+
+
+def _sorted(x, weights, ids, w_in, b_in, w_out, b_out, activation, gated):
+    rows, order, offsets = R.dispatch(x, ids, w_in.shape[0])
+    return R.combine(R.experts(rows, offsets, w_in, b_in, w_out, b_out, activation, gated), order, weights)
+
+
+CASES = {  # name: (tokens, experts, top_k, hidden, width, capacity factor, ids override)
+    "batch 1": (1, 8, 2, 24, 20, -1.0, None),
+    "odd sizes, k = E": (3, 5, 5, 17, 13, -1.0, None),
+    "capacity overflow (dropped slots)": (6, 4, 2, 16, 12, 0.5, None),
+    "all tokens to one expert": (4, 6, 1, 16, 12, -1.0, "one"),
+    "empty experts": (2, 16, 2, 16, 24, -1.0, None),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("gated, activation, bias", [(True, "silu", False), (False, "gelu", True),
+                                                     (True, "relu", True)])
+def test_triton_routed_experts_match_dispatch_experts_combine(case, gated, activation, bias):
+    tokens, num_experts, top_k, hidden, width, capacity, override = CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights, ids = R.route(torch.randn(tokens, num_experts, generator=gen), top_k, capacity, True)
+    if override == "one":
+        ids = torch.full_like(ids, 3)
+    if capacity > 0:
+        assert (ids == num_experts).any()  # some assignments dropped
+    params = _experts(num_experts, hidden, width, gated, bias, seed=3)
+    want = _sorted(x, weights, ids, *params, activation, gated)
+    got = triton_direct.routed_experts(x, weights, ids, *params, activation, gated, config=TILES)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_routed_experts_ignore_dropped_rows_values():
+    """A dropped assignment (id E, weight 0) reads no weights: NaN in an expert nobody kept changes nothing."""
+    x = torch.randn(2, 16)
+    weights = torch.tensor([[0.7, 0.0], [1.0, 0.0]])
+    ids = torch.tensor([[0, 2], [1, 2]])  # expert 2 only in dropped slots (id E = 2)
+    w_in, b_in, w_out, b_out = _experts(2, 16, 8, True, False, seed=4)
+    got = triton_direct.routed_experts(x, weights, ids, w_in, b_in, w_out, b_out, "silu", True, config=TILES)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, _sorted(x, weights, ids, w_in, b_in, w_out, b_out, "silu", True))
+
+
+def test_triton_routed_experts_empty_batch():
+    w_in, b_in, w_out, b_out = _experts(4, 8, 6, True, False, seed=5)
+    out = triton_direct.routed_experts(torch.zeros(0, 8), torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long),
+                                       w_in, b_in, w_out, b_out, "silu", True, config=TILES)
+    assert out.shape == (0, 8)
+
+
+def test_routed_experts_op_is_dispatch_experts_combine():
+    """The op (the reference kernel on CPU), GPT-OSS's clamped interleaved SwiGLU included."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 16, generator=gen)
+    weights, ids = R.route(torch.randn(3, 4, generator=gen), 2, -1.0, True)
+    w_in, b_in, w_out, b_out = _experts(4, 16, 8, True, True, seed=7)
+    for glu in ({}, {"interleaved": True, "alpha": 1.702, "limit": 7.0}):
+        activation = "swiglu_oai" if glu else "silu"
+        got = ops.routed_experts(x, weights, ids, w_in, b_in, w_out, b_out, activation, True, **glu)
+        rows, order, offsets = R.dispatch(x, ids, 4)
+        y = R.experts(rows, offsets, w_in, b_in, w_out, b_out, activation, True, *glu.values())
+        torch.testing.assert_close(got, R.combine(y, order, weights))
+
+
+def test_policy_takes_few_assignments_per_expert():
+    assert choices.direct_experts(1, 8, 128) and choices.direct_experts(1, 8, 256) and choices.direct_experts(2, 8, 128)
+    assert not choices.direct_experts(16, 8, 128) and not choices.direct_experts(1, 2, 8)
+
+
+# ------------------------------------------------------------------------------------------------------ the pass
+
+def _outputs(out):
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pass_rewrites_one_token_graphs_and_keeps_their_output(family, monkeypatch):
+    monkeypatch.setattr(choices, "DIRECT_EXPERTS_MAX_ASSIGNMENTS_PER_EXPERT", 1.0)  # tiny models: few experts
+    ((gm, inputs),) = dynamo_graphs(tiny_moe(family), token_ids(batch=1, length=1), use_cache=False)
+    with torch.no_grad():
+        before = gm(*inputs)
+    gm, ctx = run_pipeline(gm, pipeline="compile")
+    report = dict(ctx.reports)["direct_experts"]
+    interleaved = family == "tiny-gpt-oss"  # GPT-OSS's clamped interleaved SwiGLU: no direct kernel, kept sorted
+    assert len(report["direct"]) == (0 if interleaved else MOE_LAYERS[family])
+    assert len(moe_nodes(gm, "routed_experts")) == len(report["direct"])
+    assert len(moe_nodes(gm, "route_dispatch")) == MOE_LAYERS[family] - len(report["direct"])
+    if not interleaved:
+        assert not moe_nodes(gm, "dispatch") and not moe_nodes(gm, "experts") and not moe_nodes(gm, "combine")
+    with torch.no_grad():
+        for got, want in zip(_outputs(gm(*inputs)), _outputs(before), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens, options, training, kept", [
+    (8, {}, False, None),  # 8 tokens x top-2 over 4 experts: sorted
+    (1, {"fp8": True}, False, "option fp8"),
+    (1, {}, True, "training graph"),
+])
+def test_pass_leaves_batches_training_and_fp8_graphs_sorted(tokens, options, training, kept, monkeypatch):
+    if tokens == 1:
+        monkeypatch.setattr(choices, "DIRECT_EXPERTS_MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
+    ((gm, _),) = dynamo_graphs(tiny_moe("tiny-mixtral"), token_ids(batch=1, length=tokens), use_cache=False)
+    from moecompile.passes.direct_experts import direct_experts
+    from moecompile.passes.pipeline import PassContext
+    from moecompile.passes.recognise_moe import recognise_moe
+
+    ctx = PassContext(options=options, training=training)
+    recognise_moe(gm, ctx)
+    report = direct_experts(gm, ctx)
+    assert report["direct"] == [] and report.get("kept") == kept
+    assert len(moe_nodes(gm, "dispatch")) == MOE_LAYERS["tiny-mixtral"]
