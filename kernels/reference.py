@@ -286,26 +286,30 @@ def _unpermute(sorted_rows: torch.Tensor, order: torch.Tensor, tokens: int, top_
     return rows.view(tokens, top_k, sorted_rows.shape[-1])  # explicit width: -1 is ambiguous when tokens == 0
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulate in at least float32 (half/bf16 upcast, float64 kept)."""
     return torch.promote_types(dtype, torch.float32)
 
 
-def combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor):
-    """out[t] = sum_j weights[t, j] * expert_out[row of assignment (t, j)], accumulated in >= float32."""
+def weighted_terms(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor):
+    """[T, k, H] in >= float32: weights[t, j] * expert_out[row of assignment (t, j)], 0 for a dropped assignment."""
     tokens, top_k = weights.shape
     rows = _unpermute(expert_out, order, tokens, top_k)
-    acc = _acc_dtype(expert_out.dtype)
+    acc = acc_dtype(expert_out.dtype)
     kept = (weights != 0).unsqueeze(-1)
-    terms = torch.where(kept, rows.to(acc) * weights.to(acc).unsqueeze(-1), 0.0)
-    return terms.sum(1).to(expert_out.dtype)
+    return torch.where(kept, rows.to(acc) * weights.to(acc).unsqueeze(-1), 0.0)
+
+
+def combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor):
+    """out[t] = sum_j weights[t, j] * expert_out[row of assignment (t, j)], accumulated in >= float32."""
+    return weighted_terms(expert_out, order, weights).sum(1).to(expert_out.dtype)
 
 
 def combine_backward(grad_out, expert_out, order, weights):
     """Returns (grad_expert_out, grad_weights)."""
     tokens, top_k = weights.shape
     rows = _unpermute(expert_out, order, tokens, top_k)
-    acc = _acc_dtype(expert_out.dtype)
+    acc = acc_dtype(expert_out.dtype)
     grad_weights = torch.where(weights != 0, (rows.to(acc) * grad_out.to(acc).unsqueeze(1)).sum(-1), 0.0)
     grad_rows = grad_out.to(acc).unsqueeze(1) * weights.to(acc).unsqueeze(-1)
     grad_rows = grad_rows.reshape(tokens * top_k, grad_out.shape[-1])
@@ -318,7 +322,7 @@ def routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation:
                    interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0):
     rows, order, offsets = dispatch(x, expert_ids, w_in.shape[0])
     out = experts(rows, offsets, w_in, b_in, w_out, b_out, activation, gated, interleaved, alpha, limit)
-    return combine(out, order, weights)
+    return weighted_terms(out, order, weights)
 
 
 # ---- route_dispatch: router linear + route_grouped + dispatch as one op (what fuse_route_dispatch emits)

@@ -1,15 +1,16 @@
 """direct_experts: dispatch -> experts -> combine becomes one moecompile::routed_experts where the batch is a few
-tokens (decode), as runtime.choices.direct_experts decides from the graph's static token count.
+tokens (decode), as decode_sized decides from the graph's static token count.
 
     before   rows, order, offsets = dispatch(x, ids, E)    y = experts(rows, offsets, ...)    combine(y, order, w)
-    after    routed_experts(x, w, ids, ...)
+    after    routed_experts(x, w, ids, ...).sum(1).to(x.dtype)
 
-At a few tokens the sorted form costs three launches around the expert GEMMs (the sort, the row copy, the
-combine) and tiles that are mostly empty rows; routed_experts reads each assignment's expert and token directly
-and folds the routing weights into its second projection (kernels/triton_direct.py). Inference graphs only, and
-only where no later pass needs the dispatched rows (FP8 quantises them, expert parallelism exchanges them) or the
-kernels need GPT-OSS's interleaved gate/up. Runs before fuse_route_dispatch, which then leaves these routers as
-they are: their top-k is the only routing left.
+At a few tokens the sorted form costs three launches around the expert GEMMs (the sort, the row copy, the combine)
+and tiles that are mostly empty rows; routed_experts reads each assignment's expert and token directly, multiplies
+by the routing weights in its second projection (kernels/triton_direct.py) and returns the k weighted terms of each
+token, whose sum is left in the graph for inductor to fuse into the residual add that reads it. Inference graphs
+only, and only where no later pass needs the dispatched rows (FP8 quantises them, expert parallelism exchanges them)
+or the kernels need GPT-OSS's interleaved gate/up. Runs before fuse_route_dispatch, which then leaves these routers
+as they are: their top-k is the only routing left.
 """
 from __future__ import annotations
 
@@ -19,11 +20,17 @@ import torch
 from torch import fx
 
 from moecompile.ir.ops import glu_args
-from moecompile.passes.nodes import arg, call_op, moe_op, op_args, value
-from moecompile.runtime import choices
+from moecompile.passes.nodes import arg, call, call_op, moe_op, op_args, value
 
 ROUTED_EXPERTS = torch.ops.moecompile.routed_experts.default
 NEEDS_DISPATCHED_ROWS = ("fp8", "expert_parallel")  # options whose passes rewrite the dispatched rows
+# Direct while there are at most this many assignments per expert, so that few experts are read twice: one token of
+# Qwen3-30B-A3B or DeepSeek-V3 (8 of 128 / 256), not Mixtral's (2 of 8, where the sorted kernels measured as fast).
+MAX_ASSIGNMENTS_PER_EXPERT = 0.125
+
+
+def decode_sized(tokens: int, top_k: int, num_experts: int) -> bool:
+    return tokens * top_k <= MAX_ASSIGNMENTS_PER_EXPERT * num_experts
 
 
 def _static_int(size) -> int | None:
@@ -56,8 +63,7 @@ def _decode_sized(dispatch: fx.Node) -> bool:
     if hidden is None or ids is None:
         return False
     tokens, top_k = _static_int(ids.shape[0]), _static_int(ids.shape[-1])
-    return tokens is not None and top_k is not None and choices.direct_experts(tokens, top_k,
-                                                                               arg(dispatch, "num_experts"))
+    return tokens is not None and top_k is not None and decode_sized(tokens, top_k, arg(dispatch, "num_experts"))
 
 
 def direct_experts(gm: fx.GraphModule, ctx) -> dict:
@@ -76,11 +82,15 @@ def direct_experts(gm: fx.GraphModule, ctx) -> dict:
             continue
         meta = {k: experts.meta[k] for k in ("nn_module_stack", "stack_trace", "moecompile_block")
                 if k in experts.meta}
+        x = arg(dispatch, "hidden")
         with graph.inserting_before(combine):
-            node = call_op(graph, ROUTED_EXPERTS, meta, x=arg(dispatch, "hidden"), weights=arg(combine, "weights"),
+            node = call_op(graph, ROUTED_EXPERTS, meta, x=x, weights=arg(combine, "weights"),
                            expert_ids=arg(dispatch, "expert_ids"),
                            **{k: e[k] for k in ("w_in", "b_in", "w_out", "b_out", "activation", "gated")})
-        combine.replace_all_uses_with(node)
+            total = call(graph, torch.sum, node, 1, meta=meta)
+            out = graph.call_method("to", (total, value(x).dtype))
+            out.meta.update(meta)
+        combine.replace_all_uses_with(out)
         graph.erase_node(combine)
         graph.erase_node(experts)
         for getitem in list(dispatch.users):

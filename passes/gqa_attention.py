@@ -1,5 +1,5 @@
 """gqa_attention: attention over key/value heads repeated to the query heads (Hugging Face's repeat_kv) becomes
-SDPA's own grouped-query attention, where a fused kernel takes it (runtime.choices.gqa_attention).
+SDPA's own grouped-query attention, where one of its fused CUDA kernels takes it (SDPA's own checks say).
 
     before   k = k[:, :, None].expand(b, kv, n, L, d).reshape(b, kv * n, L, d)    (v alike)
              scaled_dot_product_attention(q, k, v, attn_mask=m, ...)
@@ -18,7 +18,6 @@ import torch
 from torch import fx
 
 from moecompile.passes.nodes import arg, kind, set_arg, value
-from moecompile.runtime import choices
 
 _ALL = slice(None, None, None)
 _UNSQUEEZE_2 = (_ALL, _ALL, None, _ALL, _ALL)  # x[:, :, None, :, :]
@@ -44,6 +43,17 @@ def _repeated_heads(node: fx.Node) -> tuple[fx.Node, int] | None:
     return (base, n) if n > 1 else None
 
 
+def fused_kernel_takes_gqa(query, key, value_, attn_mask, dropout_p: float, is_causal: bool) -> bool:
+    """Whether SDPA runs grouped-query attention on these tensors (example or fake values) in a fused CUDA kernel;
+    elsewhere it falls back to its unfused math, which repeating the heads first avoids."""
+    if not query.is_cuda:
+        return False
+    params = torch.backends.cuda.SDPAParams(query, key, value_, attn_mask, dropout_p, is_causal, True)
+    return any(can_use(params, False) for can_use in (torch.backends.cuda.can_use_cudnn_attention,
+                                                      torch.backends.cuda.can_use_flash_attention,
+                                                      torch.backends.cuda.can_use_efficient_attention))
+
+
 def gqa_attention(gm: fx.GraphModule, ctx) -> dict:
     """Pass: each SDPA over repeat_kv'd keys and values reads the key/value heads themselves (enable_gqa)."""
     if ctx.training:
@@ -56,8 +66,8 @@ def gqa_attention(gm: fx.GraphModule, ctx) -> dict:
         if key is None or value_ is None or key[1] != value_[1]:
             continue
         query, mask = value(arg(node, "query")), value(arg(node, "attn_mask"))
-        if query is None or not choices.gqa_attention(query, value(key[0]), value(value_[0]), mask,
-                                                     arg(node, "dropout_p"), arg(node, "is_causal")):
+        if query is None or not fused_kernel_takes_gqa(query, value(key[0]), value(value_[0]), mask,
+                                                      arg(node, "dropout_p"), arg(node, "is_causal")):
             continue
         old = [arg(node, "key"), arg(node, "value")]
         set_arg(node, "key", key[0])

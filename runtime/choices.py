@@ -44,29 +44,6 @@ def one_launch_route(tokens: int, num_experts: int) -> bool:
     return tokens > 1 or num_experts <= ONE_LAUNCH_ROUTE_MAX_EXPERTS_AT_ONE_TOKEN
 
 
-# Few tokens (decode): the experts run on the unsorted assignments (kernels/triton_direct.py: no sort, the combine in
-# the second projection) while there are at most this many assignments per expert: Qwen3-30B-A3B's and DeepSeek-V3's
-# single token (8 of 128 / 256), not Mixtral's (2 of 8, where the sorted kernels measured as fast or faster).
-DIRECT_EXPERTS_MAX_ASSIGNMENTS_PER_EXPERT = 0.125
-
-
-def direct_experts(tokens: int, top_k: int, num_experts: int) -> bool:
-    return tokens * top_k <= DIRECT_EXPERTS_MAX_ASSIGNMENTS_PER_EXPERT * num_experts
-
-
-def gqa_attention(query, key, value, attn_mask, dropout_p: float, is_causal: bool) -> bool:
-    """Whether SDPA runs grouped-query attention (enable_gqa) on these tensors (example or fake values) in a fused
-    CUDA kernel, rather than falling back to its unfused math, which repeating the heads first would avoid."""
-    if not query.is_cuda:
-        return False
-    import torch
-
-    params = torch.backends.cuda.SDPAParams(query, key, value, attn_mask, dropout_p, is_causal, True)
-    return any(can_use(params, False) for can_use in (torch.backends.cuda.can_use_cudnn_attention,
-                                                      torch.backends.cuda.can_use_flash_attention,
-                                                      torch.backends.cuda.can_use_efficient_attention))
-
-
 def is_batch(rows: int, num_experts: int) -> bool:
     return rows >= DECODE_ROWS_PER_EXPERT * num_experts
 

@@ -119,11 +119,11 @@ def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gat
 
 
 def routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation: str, gated: bool):
-    tokens, top_k = expert_ids.shape
-    if choices.direct_experts(tokens, top_k, w_in.shape[0]):
+    if x.dtype in triton_direct.DTYPES:  # the graph asked for it (direct_experts): the batch is decode-sized
         return triton_direct.routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation, gated)
     rows, order, offsets = dispatch(x, expert_ids, w_in.shape[0])
-    return combine(experts(rows, offsets, w_in, b_in, w_out, b_out, activation, gated), order, weights)
+    return reference.weighted_terms(experts(rows, offsets, w_in, b_in, w_out, b_out, activation, gated), order,
+                                    weights)
 
 
 def combine(expert_out, order, weights):

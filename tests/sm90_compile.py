@@ -103,7 +103,7 @@ def cases():
     for bias in (False, True):
         yield (triton_direct._direct_ffn_out_kernel, "bias" if bias else "no bias",
                {**direct, "a_ptr": BF16, "weights_ptr": "*fp32"},
-               dict(TOP_K=8, K_PAD=8, hidden=2048, width=768, HAS_BIAS=bias, BLOCK_N=8, BLOCK_K=256),
+               dict(hidden=2048, width=768, HAS_BIAS=bias, BLOCK_N=8, BLOCK_K=256),
                dict(num_warps=2, num_stages=4))
 
 

@@ -8,8 +8,8 @@ from hf_moe import FAMILIES, MOE_LAYERS, dynamo_graphs, moe_nodes, tiny_moe, tok
 from moecompile.ir import ops
 from moecompile.kernels import reference as R
 from moecompile.kernels import triton_direct
+from moecompile.passes import direct_experts as pass_module
 from moecompile.passes.pipeline import run_pipeline
-from moecompile.runtime import choices
 
 TILES = {"in": {"BLOCK_N": 8, "BLOCK_K": 16}, "out": {"BLOCK_N": 8, "BLOCK_K": 8}}  # several tiles at tiny sizes
 
@@ -24,8 +24,13 @@ def _experts(num_experts, hidden, width, gated, bias, seed):
 
 
 def _sorted(x, weights, ids, w_in, b_in, w_out, b_out, activation, gated):
+    """dispatch -> experts -> combine's terms before their sum: [T, k, H]"""
     rows, order, offsets = R.dispatch(x, ids, w_in.shape[0])
-    return R.combine(R.experts(rows, offsets, w_in, b_in, w_out, b_out, activation, gated), order, weights)
+    y = R.experts(rows, offsets, w_in, b_in, w_out, b_out, activation, gated)
+    terms = torch.zeros(*ids.shape, x.shape[1])
+    flat = terms.view(-1, x.shape[1])
+    flat[order] = y
+    return torch.where((weights != 0).unsqueeze(-1), terms * weights.unsqueeze(-1), 0.0)
 
 
 CASES = {  # name: (tokens, experts, top_k, hidden, width, capacity factor, ids override)
@@ -53,14 +58,20 @@ def test_triton_routed_experts_match_dispatch_experts_combine(case, gated, activ
     want = _sorted(x, weights, ids, *params, activation, gated)
     got = triton_direct.routed_experts(x, weights, ids, *params, activation, gated, config=TILES)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    rows, order, offsets = R.dispatch(x, ids, num_experts)  # their sum is the MoE output
+    y = R.experts(rows, offsets, *params, activation, gated)
+    torch.testing.assert_close(got.sum(1), R.combine(y, order, weights), rtol=1e-5, atol=1e-5)
 
 
-def test_triton_routed_experts_ignore_dropped_rows_values():
-    """A dropped assignment (id E, weight 0) reads no weights: NaN in an expert nobody kept changes nothing."""
+def test_triton_routed_experts_read_nothing_for_dropped_assignments():
+    """An assignment of weight 0 reads no weights: NaN weights of an expert only such assignments name change
+    nothing, as in the reference, where combine skips them."""
     x = torch.randn(2, 16)
     weights = torch.tensor([[0.7, 0.0], [1.0, 0.0]])
-    ids = torch.tensor([[0, 2], [1, 2]])  # expert 2 only in dropped slots (id E = 2)
-    w_in, b_in, w_out, b_out = _experts(2, 16, 8, True, False, seed=4)
+    ids = torch.tensor([[0, 2], [1, 2]])
+    w_in, b_in, w_out, b_out = _experts(3, 16, 8, True, True, seed=4)
+    for w in (w_in, b_in, w_out, b_out):
+        w[2] = float("nan")
     got = triton_direct.routed_experts(x, weights, ids, w_in, b_in, w_out, b_out, "silu", True, config=TILES)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, _sorted(x, weights, ids, w_in, b_in, w_out, b_out, "silu", True))
@@ -70,11 +81,11 @@ def test_triton_routed_experts_empty_batch():
     w_in, b_in, w_out, b_out = _experts(4, 8, 6, True, False, seed=5)
     out = triton_direct.routed_experts(torch.zeros(0, 8), torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long),
                                        w_in, b_in, w_out, b_out, "silu", True, config=TILES)
-    assert out.shape == (0, 8)
+    assert out.shape == (0, 2, 8) and out.dtype == torch.float32
 
 
-def test_routed_experts_op_is_dispatch_experts_combine():
-    """The op (the reference kernel on CPU), GPT-OSS's clamped interleaved SwiGLU included."""
+def test_routed_experts_op_sums_to_dispatch_experts_combine():
+    """The op's terms (the reference kernel on CPU), GPT-OSS's clamped interleaved SwiGLU included."""
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(3, 16, generator=gen)
     weights, ids = R.route(torch.randn(3, 4, generator=gen), 2, -1.0, True)
@@ -84,12 +95,13 @@ def test_routed_experts_op_is_dispatch_experts_combine():
         got = ops.routed_experts(x, weights, ids, w_in, b_in, w_out, b_out, activation, True, **glu)
         rows, order, offsets = R.dispatch(x, ids, 4)
         y = R.experts(rows, offsets, w_in, b_in, w_out, b_out, activation, True, *glu.values())
-        torch.testing.assert_close(got, R.combine(y, order, weights))
+        torch.testing.assert_close(got.sum(1), R.combine(y, order, weights))
 
 
 def test_policy_takes_few_assignments_per_expert():
-    assert choices.direct_experts(1, 8, 128) and choices.direct_experts(1, 8, 256) and choices.direct_experts(2, 8, 128)
-    assert not choices.direct_experts(16, 8, 128) and not choices.direct_experts(1, 2, 8)
+    decode_sized = pass_module.decode_sized
+    assert decode_sized(1, 8, 128) and decode_sized(1, 8, 256) and decode_sized(2, 8, 128)
+    assert not decode_sized(16, 8, 128) and not decode_sized(1, 2, 8)
 
 
 # ------------------------------------------------------------------------------------------------------ the pass
@@ -100,7 +112,7 @@ def _outputs(out):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pass_rewrites_one_token_graphs_and_keeps_their_output(family, monkeypatch):
-    monkeypatch.setattr(choices, "DIRECT_EXPERTS_MAX_ASSIGNMENTS_PER_EXPERT", 1.0)  # tiny models: few experts
+    monkeypatch.setattr(pass_module, "MAX_ASSIGNMENTS_PER_EXPERT", 1.0)  # tiny models: few experts
     ((gm, inputs),) = dynamo_graphs(tiny_moe(family), token_ids(batch=1, length=1), use_cache=False)
     with torch.no_grad():
         before = gm(*inputs)
@@ -124,14 +136,13 @@ def test_pass_rewrites_one_token_graphs_and_keeps_their_output(family, monkeypat
 ])
 def test_pass_leaves_batches_training_and_fp8_graphs_sorted(tokens, options, training, kept, monkeypatch):
     if tokens == 1:
-        monkeypatch.setattr(choices, "DIRECT_EXPERTS_MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
+        monkeypatch.setattr(pass_module, "MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
     ((gm, _),) = dynamo_graphs(tiny_moe("tiny-mixtral"), token_ids(batch=1, length=tokens), use_cache=False)
-    from moecompile.passes.direct_experts import direct_experts
     from moecompile.passes.pipeline import PassContext
     from moecompile.passes.recognise_moe import recognise_moe
 
     ctx = PassContext(options=options, training=training)
     recognise_moe(gm, ctx)
-    report = direct_experts(gm, ctx)
+    report = pass_module.direct_experts(gm, ctx)
     assert report["direct"] == [] and report.get("kept") == kept
     assert len(moe_nodes(gm, "dispatch")) == MOE_LAYERS["tiny-mixtral"]

@@ -418,8 +418,9 @@ def test_decode_step_runs_grouped_query_attention_and_direct_experts(monkeypatch
 
     import moecompile
     from moecompile.conversion.models import TINY_MOE
+    from moecompile.passes import direct_experts
 
-    monkeypatch.setattr(choices, "DIRECT_EXPERTS_MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
+    monkeypatch.setattr(direct_experts, "MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
     torch._dynamo.reset()
     moecompile.backend.clear_records()
     config, _ = TINY_MOE["tiny-qwen3-moe"]()

@@ -1,5 +1,5 @@
-"""gqa_attention on Dynamo graphs of the tiny HF families: HF's repeat_kv before SDPA becomes enable_gqa where the
-policy says a fused kernel takes it (patched on here: CPUs run SDPA's math either way), with the same output."""
+"""gqa_attention on Dynamo graphs of the tiny HF families: HF's repeat_kv before SDPA becomes enable_gqa where a
+fused kernel takes it (patched to say so here: CPUs run SDPA's math either way), with the same output."""
 import pytest
 import torch
 from hf_moe import FAMILIES, dynamo_graphs, tiny_moe, token_ids
@@ -7,7 +7,6 @@ from hf_moe import FAMILIES, dynamo_graphs, tiny_moe, token_ids
 from moecompile.passes import gqa_attention as pass_module
 from moecompile.passes.nodes import arg, kind
 from moecompile.passes.pipeline import PassContext
-from moecompile.runtime import choices
 
 REPEATS_HEADS = ("tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-olmoe")  # fewer kv heads than heads
 
@@ -18,7 +17,7 @@ def _sdpa(gm):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_repeated_heads_become_enable_gqa_with_the_same_output(family, monkeypatch):
-    monkeypatch.setattr(choices, "gqa_attention", lambda *args: True)
+    monkeypatch.setattr(pass_module, "fused_kernel_takes_gqa", lambda *args: True)
     ((gm, inputs),) = dynamo_graphs(tiny_moe(family), token_ids(batch=2, length=3), use_cache=False)
     with torch.no_grad():
         before = gm(*inputs)
@@ -42,8 +41,8 @@ def test_repeated_heads_become_enable_gqa_with_the_same_output(family, monkeypat
 
 def test_left_alone_where_no_fused_kernel_takes_it_and_in_training():
     ((gm, _),) = dynamo_graphs(tiny_moe("tiny-qwen3-moe"), token_ids(), use_cache=False)
-    assert not choices.gqa_attention(torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8),
-                                     None, 0.0, False)  # CPU tensors: no fused CUDA kernel
+    key = torch.zeros(1, 1, 4, 8)  # CPU tensors: no fused CUDA kernel
+    assert not pass_module.fused_kernel_takes_gqa(torch.zeros(1, 2, 1, 8), key, key, None, 0.0, False)
     assert pass_module.gqa_attention(gm, PassContext()) == {"rewritten": []}
     assert pass_module.gqa_attention(gm, PassContext(training=True)) == {"skipped": "training graph"}
     assert not any(arg(n, "enable_gqa") for n in _sdpa(gm))

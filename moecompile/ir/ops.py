@@ -285,14 +285,16 @@ def _combine_backward(ctx, grad_out):
 combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
-# ---- routed_experts: dispatch -> experts -> combine in one op for few tokens (emitted by direct_experts)
+# ---- routed_experts: dispatch -> experts -> combine's terms in one op for few tokens (emitted by direct_experts)
 
 @torch.library.custom_op("moecompile::routed_experts", mutates_args=())
 def routed_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, w_in: Tensor, b_in: Optional[Tensor],
                    w_out: Tensor, b_out: Optional[Tensor], activation: str, gated: bool, interleaved: bool = False,
                    alpha: float = 1.702, limit: float = 7.0) -> Tensor:
-    """x [T, H], weights / expert_ids [T, k] (route's outputs) -> [T, H]: out[t] = sum_j weights[t, j] *
-    FFN_{expert_ids[t, j]}(x[t]), what dispatch, experts and combine compute together. Inference only."""
+    """x [T, H], weights / expert_ids [T, k] (route's outputs) -> [T, k, H] in >= float32: weights[t, j] *
+    FFN_{expert_ids[t, j]}(x[t]), 0 for a dropped assignment. Their sum over k, cast to x's dtype, is what dispatch,
+    experts and combine compute; the graph does that sum, so that inductor fuses it into what reads the output.
+    Inference only."""
     glu = glu_args(activation, interleaved, alpha, limit)
     return _experts_kernel("routed_experts", x, glu).fn(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation,
                                                         gated, *glu)
@@ -301,7 +303,7 @@ def routed_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, w_in: Tensor,
 @routed_experts.register_fake
 def _(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation, gated, interleaved=False, alpha=1.702,
       limit=7.0):
-    return x.new_empty(x.shape[0], w_out.shape[1])
+    return x.new_empty(*expert_ids.shape, w_out.shape[1], dtype=torch.promote_types(x.dtype, torch.float32))
 
 
 # ---- route_dispatch: router linear -> route_grouped -> dispatch in one op (emitted by fuse_route_dispatch)
