@@ -94,7 +94,6 @@ def cases():
     fp8_rows = {**scatter, "x_ptr": "*fp8e4nv", "rows_ptr": "*fp8e4nv"}
     yield (triton_routing._scatter_rows_kernel, "H=7168 FP8 rows", fp8_rows,
            dict(hidden=7168, TOP_K=8, RANK_BLOCK=64, BLOCK_A=32, BLOCK_H=512), {})
-
     direct = {"x_ptr": BF16, "ids_ptr": "*i64", "w_ptr": BF16, "bias_ptr": BF16, "out_ptr": BF16}
     for gated, act, bias, label in ((True, 3, False, "swiglu"), (False, 0, True, "gelu+bias")):
         yield (triton_direct._direct_ffn_in_kernel, label, direct,
@@ -102,7 +101,7 @@ def cases():
                dict(num_warps=4, num_stages=4))
     for bias in (False, True):
         yield (triton_direct._direct_ffn_out_kernel, "bias" if bias else "no bias",
-               {**direct, "a_ptr": BF16, "weights_ptr": "*fp32"},
+               {**direct, "a_ptr": BF16, "weights_ptr": "*fp32", "out_ptr": "*fp32"},  # float32 terms
                dict(hidden=2048, width=768, HAS_BIAS=bias, BLOCK_N=8, BLOCK_K=256),
                dict(num_warps=2, num_stages=4))
 

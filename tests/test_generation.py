@@ -29,6 +29,24 @@ def test_compiled_decode_step_matches_hf(family):
     assert torch.equal(again, expected)
 
 
+@pytest.mark.parametrize("family", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_decode_step_on_direct_experts_matches_hf(family, monkeypatch):
+    """The decode step with its experts on routed_experts (direct_experts, made to take these few experts) and the
+    per-token sum in the graph: HF's greedy tokens."""
+    from moecompile import backend
+    from moecompile.passes import direct_experts
+
+    monkeypatch.setattr(direct_experts, "MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
+    model = tiny_moe(family)
+    model.generation_config.eos_token_id = None
+    ids = token_ids(batch=2, length=6)
+    backend.clear_records()
+    got = generate(model, ids, NEW, options={"inductor": False})
+    step = dict(backend.records()[-1].reports)  # the decode step's graph: prefill's 12 tokens stay sorted
+    assert step["direct_experts"]["direct"], step["direct_experts"]
+    assert torch.equal(got, _hf_greedy(model, ids))
+
+
 @pytest.mark.parametrize("family", ["tiny-mixtral", "tiny-gpt-oss"])
 def test_left_padded_prompts_match_hf(family):
     model = tiny_moe(family)

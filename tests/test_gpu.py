@@ -417,19 +417,20 @@ def test_decode_step_runs_grouped_query_attention_and_direct_experts(monkeypatch
     from hf_moe import tiny_moe, token_ids
 
     import moecompile
+    from moecompile import backend
     from moecompile.conversion.models import TINY_MOE
     from moecompile.passes import direct_experts
 
     monkeypatch.setattr(direct_experts, "MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
     torch._dynamo.reset()
-    moecompile.backend.clear_records()
+    backend.clear_records()
     config, _ = TINY_MOE["tiny-qwen3-moe"]()
     assert config.num_key_value_heads < config.num_attention_heads
     model = tiny_moe("tiny-qwen3-moe").to(DEVICE, torch.bfloat16)
     ids = token_ids(batch=1).to(DEVICE)
     with torch.no_grad():
         got = moecompile.generate(model, ids, max_new_tokens=6)
-    reports = [dict(r.reports) for r in moecompile.backend.records()]
+    reports = [dict(r.reports) for r in backend.records()]
     step = reports[-1]  # the decode step's graph (prefill's came first)
     assert len(step["gqa_attention"]["rewritten"]) == 2, step["gqa_attention"]
     assert len(step["direct_experts"]["direct"]) == 2
