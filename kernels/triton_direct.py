@@ -5,11 +5,11 @@ copy of the rows, no combine kernel.
 
 Two launches, one program per (assignment, column tile) each: the first projection (+ bias, activation) reads the
 assignment's expert id and its token's row directly; the second multiplies by the routing weight in its epilogue.
-The caller sums the k terms of a token (the compile backend leaves that sum to inductor, which fuses it into the
-residual add that reads it). Each program streams a narrow tile of one expert's weights as a matrix-vector product;
-each hit expert's weights are read once when the tokens' experts are distinct (always for one token). Dropped
-assignments (id outside 0..E-1 or weight 0) read nothing and give 0. Deterministic: no atomics. Math in float32; the
-activation is stored in x's dtype between the projections, as the grouped kernels store it.
+The caller sums the k terms of a token (the compile backend leaves that sum to inductor: one small reduction where
+the sorted path has its combine kernel). Each program streams a narrow tile of one expert's weights as a
+matrix-vector product; each hit expert's weights are read once when the tokens' experts are distinct (always for
+one token). Dropped assignments (id outside 0..E-1 or weight 0) read nothing and give 0. Deterministic: no atomics.
+Math in float32; the activation is stored in x's dtype between the projections, as the grouped kernels store it.
 """
 import torch
 import triton

@@ -7,10 +7,10 @@ tokens (decode), as decode_sized decides from the graph's static token count.
 At a few tokens the sorted form costs three launches around the expert GEMMs (the sort, the row copy, the combine)
 and tiles that are mostly empty rows; routed_experts reads each assignment's expert and token directly, multiplies
 by the routing weights in its second projection (kernels/triton_direct.py) and returns the k weighted terms of each
-token, whose sum is left in the graph for inductor to fuse into the residual add that reads it. Inference graphs
-only, and only where no later pass needs the dispatched rows (FP8 quantises them, expert parallelism exchanges them)
-or the kernels need GPT-OSS's interleaved gate/up. Runs before fuse_route_dispatch, which then leaves these routers
-as they are: their top-k is the only routing left.
+token, whose sum is left in the graph (one small inductor reduction where the sorted path has its combine kernel).
+Inference graphs only, and only where no later pass needs the dispatched rows (FP8 quantises them, expert
+parallelism exchanges them) or the kernels need GPT-OSS's interleaved gate/up. Runs before fuse_route_dispatch,
+which then leaves these routers as they are: their top-k is the only routing left.
 """
 from __future__ import annotations
 

@@ -293,7 +293,7 @@ def routed_experts(x: Tensor, weights: Tensor, expert_ids: Tensor, w_in: Tensor,
                    alpha: float = 1.702, limit: float = 7.0) -> Tensor:
     """x [T, H], weights / expert_ids [T, k] (route's outputs) -> [T, k, H] in >= float32: weights[t, j] *
     FFN_{expert_ids[t, j]}(x[t]), 0 for a dropped assignment. Their sum over k, cast to x's dtype, is what dispatch,
-    experts and combine compute; the graph does that sum, so that inductor fuses it into what reads the output.
+    experts and combine compute; the graph does that sum (inductor compiles it with the cast).
     Inference only."""
     glu = glu_args(activation, interleaved, alpha, limit)
     return _experts_kernel("routed_experts", x, glu).fn(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation,
