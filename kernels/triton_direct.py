@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moecompile.kernels.triton_moe import ACTIVATION_IDS, _bias_activation
+from moecompile.kernels.triton_moe import ACTIVATION_IDS, _bias_activation, _expert_columns
 
 
 def _configs():
@@ -39,17 +39,13 @@ def _direct_ffn_in_kernel(x_ptr, ids_ptr, w_ptr, bias_ptr, out_ptr, assignments,
     expert = tl.load(ids_ptr + a)
     if (expert >= 0) & (expert < num_experts):
         x_row = x_ptr + (a // top_k).to(tl.int64) * hidden
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < width
-        in_width: tl.constexpr = 2 * width if GATED else width
-        w_base = w_ptr + expert.to(tl.int64) * in_width * hidden
+        cols, cmask, w_base = _expert_columns(w_ptr, expert, pid_n, hidden, width, GATED, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            kmask = ks < hidden
-            xk = tl.load(x_row + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
-            wmask = cmask[:, None] & kmask[None, :]
+            xk = tl.load(x_row + ks, mask=ks < hidden, other=0.0).to(tl.float32)[None, :]
+            wmask = cmask[:, None] & (ks < hidden)[None, :]
             w = tl.load(w_base + cols[:, None].to(tl.int64) * hidden + ks[None, :], mask=wmask, other=0.0)
             acc += w.to(tl.float32) * xk
             if GATED:

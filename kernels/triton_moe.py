@@ -318,6 +318,16 @@ def _bias_activation(acc, acc_up, bias_ptr, expert, cols, cmask, width: tl.const
 
 
 @triton.jit
+def _expert_columns(w_ptr, expert, pid_n, hidden: tl.constexpr, width: tl.constexpr, GATED: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """(cols, column mask, the expert's W_in base) of output column tile pid_n of a first projection, whose weights
+    are [E, (2) width, hidden] (gated: gate rows, then up rows from row `width`)."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_width: tl.constexpr = 2 * width if GATED else width
+    return cols, cols < width, w_ptr + expert.to(tl.int64) * in_width * hidden
+
+
+@triton.jit
 def _grouped_ffn_in_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows, num_experts, rows_bucket,
                            hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                            ACT: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -327,10 +337,7 @@ def _grouped_ffn_in_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows,
     live, expert, rows, rmask, pid_n = _expert_tile(offsets_ptr, n_rows, num_experts, width, E_PAD, BLOCK_M,
                                                     BLOCK_N, GROUP_M)
     if live:
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < width
-        in_width: tl.constexpr = 2 * width if GATED else width
-        w_base = w_ptr + expert.to(tl.int64) * in_width * hidden
+        cols, cmask, w_base = _expert_columns(w_ptr, expert, pid_n, hidden, width, GATED, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
