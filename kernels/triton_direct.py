@@ -32,7 +32,7 @@ def _direct_ffn_in_kernel(x_ptr, ids_ptr, w_ptr, bias_ptr, out_ptr, assignments,
                           hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                           ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[a, cols] = act(x[a // top_k] W_in[ids[a]][cols]^T + b) (gated: act(gate) * up), one program per
-    (assignment a, column tile)."""
+    (assignment a, column tile); `assignments` only keys the autotuning."""
     tiles_n: tl.constexpr = (width + BLOCK_N - 1) // BLOCK_N
     a = tl.program_id(0) // tiles_n
     pid_n = tl.program_id(0) % tiles_n
@@ -63,7 +63,7 @@ def _direct_ffn_out_kernel(a_ptr, ids_ptr, weights_ptr, w_ptr, bias_ptr, out_ptr
                            hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr):
     """out[a, cols] = weights[a] * (act[a] W_out[ids[a]][cols]^T + b_out[ids[a]][cols]) in float32, one program per
-    (assignment a, column tile); 0 for a dropped assignment."""
+    (assignment a, column tile); 0 for a dropped assignment. `assignments` only keys the autotuning."""
     tiles_n: tl.constexpr = (hidden + BLOCK_N - 1) // BLOCK_N
     a = tl.program_id(0) // tiles_n
     cols = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -62,23 +62,22 @@ def gqa_attention(gm: fx.GraphModule, ctx) -> dict:
     for node in [n for n in graph.nodes if kind(n) == "sdpa"]:
         if arg(node, "enable_gqa"):
             continue
-        key, value_ = (_repeated_heads(arg(node, name)) for name in ("key", "value"))
-        if key is None or value_ is None or key[1] != value_[1]:
+        k_heads, v_heads = (_repeated_heads(arg(node, name)) for name in ("key", "value"))
+        if k_heads is None or v_heads is None or k_heads[1] != v_heads[1]:
             continue
+        k, v = k_heads[0], v_heads[0]
         query, mask = value(arg(node, "query")), value(arg(node, "attn_mask"))
-        if query is None or not fused_kernel_takes_gqa(query, value(key[0]), value(value_[0]), mask,
-                                                      arg(node, "dropout_p"), arg(node, "is_causal")):
+        if query is None or not fused_kernel_takes_gqa(query, value(k), value(v), mask, arg(node, "dropout_p"),
+                                                      arg(node, "is_causal")):
             continue
-        old = [arg(node, "key"), arg(node, "value")]
-        set_arg(node, "key", key[0])
-        set_arg(node, "value", value_[0])
+        repeated = [arg(node, "key"), arg(node, "value")]
+        set_arg(node, "key", k)
+        set_arg(node, "value", v)
         set_arg(node, "enable_gqa", True)
-        for repeated in old:  # the reshape, expand and indexing, once nothing else reads them
-            while repeated.op == "call_function" or repeated.op == "call_method":
-                if repeated.users or repeated is key[0] or repeated is value_[0]:
-                    break
-                source = repeated.args[0]
-                graph.erase_node(repeated)
-                repeated = source
+        for step in repeated:  # the reshape, expand and indexing, once nothing else reads them
+            while step.op in ("call_function", "call_method") and not step.users and step not in (k, v):
+                source = step.args[0]
+                graph.erase_node(step)
+                step = source
         rewritten.append(node.name)
     return {"rewritten": rewritten}
