@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from moecompile.ir.ops import glu_args
-from moecompile.passes.nodes import arg, call, call_op, moe_op, op_args, value
+from moecompile.passes.nodes import arg, block_meta, call, call_op, moe_op, op_args, value
 
 ROUTED_EXPERTS = torch.ops.moecompile.routed_experts.default
 NEEDS_DISPATCHED_ROWS = ("fp8", "expert_parallel")  # options whose passes rewrite the dispatched rows
@@ -80,8 +80,7 @@ def direct_experts(gm: fx.GraphModule, ctx) -> dict:
         e = op_args(experts)
         if glu_args(e["activation"], e["interleaved"], e["alpha"], e["limit"]) or not _decode_sized(dispatch):
             continue
-        meta = {k: experts.meta[k] for k in ("nn_module_stack", "stack_trace", "moecompile_block")
-                if k in experts.meta}
+        meta = block_meta(experts)
         x = arg(dispatch, "hidden")
         with graph.inserting_before(combine):
             node = call_op(graph, ROUTED_EXPERTS, meta, x=x, weights=arg(combine, "weights"),

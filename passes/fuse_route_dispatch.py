@@ -14,6 +14,7 @@ from torch import fx
 
 from moecompile.passes.nodes import (
     arg,
+    block_meta,
     call_op,
     cast_dtype,
     defaults,
@@ -82,8 +83,7 @@ def fuse_route_dispatch(gm: fx.GraphModule, ctx) -> dict:
             continue
         route, linear, weight, bias, logits_fp32 = found
         r = _routing_args(route)
-        meta = {k: dispatch.meta[k] for k in ("nn_module_stack", "stack_trace", "moecompile_block")
-                if k in dispatch.meta}
+        meta = block_meta(dispatch)
         with graph.inserting_before(dispatch):
             node = call_op(graph, ROUTE_DISPATCH, meta, hidden=arg(dispatch, "hidden"), router_weight=weight,
                            router_bias=bias, **r, logits_fp32=logits_fp32)

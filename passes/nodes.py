@@ -184,6 +184,11 @@ def inline_graph(gm: fx.GraphModule, sub: fx.GraphModule, prefix: str, inputs: l
     raise AssertionError("graph without output")
 
 
+def block_meta(node: fx.Node) -> dict:
+    """What says where a node belongs (module scope, stack trace, MoE block tag): copied onto the nodes replacing it."""
+    return {k: node.meta[k] for k in ("nn_module_stack", "stack_trace", "moecompile_block") if k in node.meta}
+
+
 def call(graph: fx.Graph, target, *args, meta: dict | None = None) -> fx.Node:
     """A call_function node; `meta` (module scope, block tag) is copied onto it so later passes still see where
     it belongs."""
