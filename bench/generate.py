@@ -11,6 +11,7 @@ Modes, all in one run:
   moecompile-unfused the same without the fuse_projections pass (not in the default list: what that pass gives)
   moecompile-sorted  the same without the direct_experts pass: the sorted experts at decode (not in the default list)
   moecompile-repeat-kv the same without the gqa_attention pass: HF's repeated key/value heads (not in the default list)
+  moecompile-gemm    the same without decode_matvec: cuBLAS GEMMs for the one-token linears (not in the default list)
 Floor: the bytes one decode step must read (every weight except the embedding table, of which one row per sequence;
 expert tensors weighted by the expected fraction of experts the batch hits under uniform routing,
 1 - (1 - k/E)^batch), at the copy bandwidth measured in the same run. Correctness: cosine of the first compiled step's
@@ -53,7 +54,8 @@ TINY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, n
             qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
 MODES = ("hf-eager", "hf-experts-mc", "hf-inductor", "hf-moecompile", "moecompile")
 GENERATOR_OPTIONS = {"moecompile": None, "moecompile-unfused": {"fuse_projections": False},
-                     "moecompile-sorted": {"direct_experts": False}, "moecompile-repeat-kv": {"gqa_attention": False}}
+                     "moecompile-sorted": {"direct_experts": False}, "moecompile-repeat-kv": {"gqa_attention": False},
+                     "moecompile-gemm": {"decode_matvec": False}}
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 

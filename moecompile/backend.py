@@ -3,13 +3,15 @@
 Dynamo hands over each captured graph; the "compile" pipeline of passes/pipeline.py rewrites the MoE parts into
 moecompile ops (recognise_moe, set_capacity, fuse_route_dispatch, and when asked insert_fp8 or insert_all_to_all),
 fuses linears that read one tensor (fuse_projections) and everything else goes on to inductor
-(compile_fx) unchanged. The backend is found through the `torch_dynamo_backends` entry point, so no import of
+(compile_fx) unchanged; at one token (a batch-1 decode step) inductor computes the linears as matrix-vector
+reductions (decode_matvec). The backend is found through the `torch_dynamo_backends` entry point, so no import of
 moecompile is needed; it is a plain function (Dynamo registers the entry point's name itself, and registering
 the same name twice fails).
 """
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -33,6 +35,9 @@ OPTIONS = {
                                      "over weights concatenated once (inference graphs)"),
     "gqa_attention": (bool, True, "gqa_attention: attention over repeated key/value heads as SDPA's grouped-query "
                                   "attention where a fused kernel takes it (inference graphs)"),
+    "decode_matvec": (bool, True, "at one token (a batch-1 decode step) inductor computes the linears as "
+                                  "matrix-vector reductions tuned by coordinate descent and fused with their "
+                                  "neighbours, instead of GEMM library calls (inference graphs)"),
     "capacity_factor": ((int, float), None, "set_capacity: one capacity factor for every router (MoEConfig's "
                                             "convention)"),
     "print_graph": (bool, False, "print the graph before and after each pass"),
@@ -50,6 +55,7 @@ class CompileRecord:
     graph_module: fx.GraphModule
     reports: list[tuple[str, dict]]
     checked: str
+    matvec_linears: int = 0  # linears inductor computes as matrix-vector reductions (option decode_matvec)
 
     @property
     def moe_blocks(self) -> int:
@@ -88,11 +94,23 @@ def resolve_options(options: dict | None, mode: str | None = None) -> dict:
     return {key: options.get(key, default) for key, (_, default, _) in OPTIONS.items()}
 
 
-def _inductor(gm: fx.GraphModule, example_inputs, opts: dict):
+def one_row_linears(gm: fx.GraphModule) -> int:
+    """How many linears the graph has when each of them reads a single row (a batch-1 decode step), else 0."""
+    from moecompile.passes.nodes import arg, kind, value
+
+    rows = [getattr(value(arg(n, "input")), "shape", None) for n in gm.graph.nodes if kind(n) == "linear"]
+    one = [s is not None and all(isinstance(d, int) for d in s[:-1]) and math.prod(s[:-1]) == 1 for s in rows]
+    return len(one) if one and all(one) else 0
+
+
+def _inductor(gm: fx.GraphModule, example_inputs, opts: dict, matvec: bool):
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    patches = dict(list_mode_options(opts["mode"])) if opts["mode"] else {}
+    # with coordinate-descent tuning inductor decomposes a one-row matmul into a reduction it tunes to the memory
+    # bandwidth and fuses with the norm before it or the add after it
+    patches = {"coordinate_descent_tuning": True} if matvec else {}
+    patches.update(list_mode_options(opts["mode"]) if opts["mode"] else {})
     patches.update(opts["inductor_config"] or {})
     return compile_fx(gm, example_inputs, config_patches=patches or None)
 
@@ -108,7 +126,8 @@ def moecompile_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
                               "compiled model under torch.no_grad() (train expert-parallel with "
                               "moecompile.distribute(model))")
     gm, ctx = run_pipeline(gm, opts, pipeline="compile", example_inputs=list(example_inputs), training=training)
-    _records.append(CompileRecord(gm, ctx.reports, ctx.checked))
+    matvec = one_row_linears(gm) if opts["decode_matvec"] and not training else 0
+    _records.append(CompileRecord(gm, ctx.reports, ctx.checked, matvec))
     for name, report in ctx.reports:
         log.info("%s: %s", name, report)
     gm, constants = _constants_as_inputs(gm)
@@ -118,7 +137,7 @@ def moecompile_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
 
         compiled = aot_eager(gm, inputs)
     else:
-        compiled = _inductor(gm, inputs, opts)
+        compiled = _inductor(gm, inputs, opts, bool(matvec))
     _keep_aliases(example_inputs, ctx.input_aliases)
     if not constants and not ctx.input_aliases:
         return compiled
@@ -175,7 +194,7 @@ def compile(model, *, fullgraph: bool = False, dynamic: bool | None = None, **op
     """torch.compile(model, backend="moecompile", options=options), without going through the entry point.
 
     Options (see OPTIONS): inductor, mode, inductor_config, fuse, direct_experts, fuse_projections, gqa_attention,
-    capacity_factor, print_graph, fp8, expert_parallel."""
+    decode_matvec, capacity_factor, print_graph, fp8, expert_parallel."""
     recorded = getattr(getattr(model, "config", None), "moecompile", None)  # a native checkpoint's conversion record
     if isinstance(recorded, dict) and "capacity_factor" in recorded:
         options.setdefault("capacity_factor", recorded["capacity_factor"])

@@ -100,3 +100,26 @@ def test_eager_experts_integration_takes_hf_for_small_batches(monkeypatch, token
         got = model(ids).logits
     assert decisions and all(d == takes_hf for d in decisions)
     assert _cos(got, expected) > 0.999
+
+
+@pytest.mark.parametrize("matvec", [True, False])
+def test_one_token_linears_compile_to_matrix_vector_reductions(matvec):
+    """decode_matvec: at one token the backend's inductor code computes every linear as a reduction of its own (no
+    GEMM library call), with eager's logits; turned off, the same graph calls the GEMM library."""
+    from torch._inductor.utils import run_and_get_code
+
+    import moecompile
+    from moecompile import backend
+
+    model = tiny_moe("tiny-qwen3-moe").to("cuda", torch.bfloat16)
+    ids = token_ids(batch=1, length=1).to("cuda")
+    torch._dynamo.reset()
+    backend.clear_records()
+    compiled = moecompile.compile(model, fullgraph=True, decode_matvec=matvec)
+    with torch.no_grad():
+        got, code = run_and_get_code(lambda: compiled(ids, use_cache=False).logits)
+        want = model(ids, use_cache=False).logits
+    assert (backend.records()[-1].matvec_linears > 0) == matvec
+    assert ("extern_kernels.mm(" in "".join(code)) != matvec
+    assert _cos(got, want) > 0.999
+    torch._dynamo.reset()
