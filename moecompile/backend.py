@@ -95,12 +95,14 @@ def resolve_options(options: dict | None, mode: str | None = None) -> dict:
 
 
 def one_row_linears(gm: fx.GraphModule) -> int:
-    """How many linears the graph has when each of them reads a single row (a batch-1 decode step), else 0."""
+    """How many of the graph's linears read a single row, when they are most of its linears (a batch-1 decode step,
+    whose other linears may read the cache, as DeepSeek-V3's kv_b_proj does; not a prefill, whose one-row linear is
+    the logits head), else 0."""
     from moecompile.passes.nodes import arg, kind, value
 
     rows = [getattr(value(arg(n, "input")), "shape", None) for n in gm.graph.nodes if kind(n) == "linear"]
-    one = [s is not None and all(isinstance(d, int) for d in s[:-1]) and math.prod(s[:-1]) == 1 for s in rows]
-    return len(one) if one and all(one) else 0
+    one = sum(s is not None and all(isinstance(d, int) for d in s[:-1]) and math.prod(s[:-1]) == 1 for s in rows)
+    return one if 2 * one > len(rows) else 0
 
 
 def _inductor(gm: fx.GraphModule, example_inputs, opts: dict, matvec: bool):

@@ -47,12 +47,14 @@ def test_decode_step_on_direct_experts_matches_hf(family, monkeypatch):
     assert torch.equal(got, _hf_greedy(model, ids))
 
 
-def test_matrix_vector_decode_only_at_one_token():
-    """decode_matvec decides on the graph: the batch-1 decode step (every linear reads one row) is compiled with
-    matrix-vector reductions; its prefill (a 6-token prompt), a batch-2 step and the option turned off are not."""
+@pytest.mark.parametrize("family", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_matrix_vector_decode_only_at_one_token(family):
+    """decode_matvec decides on the graph: the batch-1 decode step (its linears read one row, but DeepSeek-V3's
+    kv_b_proj, which reads the cache) is compiled with matrix-vector reductions; its prefill (a 6-token prompt), a
+    batch-2 step and the option turned off are not."""
     from moecompile import backend
 
-    model = tiny_moe("tiny-qwen3-moe")
+    model = tiny_moe(family)
     model.generation_config.eos_token_id = None
     for batch, options, step_matvec in [(1, {}, True), (2, {}, False), (1, {"decode_matvec": False}, False)]:
         backend.clear_records()
