@@ -4,7 +4,7 @@ text of the calibration's own domain and of several others.
     python bench/calibrated_split.py [--recipe-k 4,8] [--eval-sentences 512] [--baselines] [--monitor 0]
         [--checkpoints DIR ...] [--out bench/results/calibrated-split.md]
 
-Each run is one `convert --calib stdlib` calibration (moecompile.calibration.report.run_calibration, the CLI's own
+Each run is one `convert --calib mixed` calibration (--calib: another source) (moecompile.calibration.report.run_calibration, the CLI's own
 code) in a fresh process, with the CLI defaults unless a flag changes them:
 - recipe@k: the default recipe distilled at top_k = k (one checkpoint per k in --recipe-k),
 - coact / random (--baselines): the co-activation split or a random split, training-free,
@@ -46,7 +46,7 @@ def run(cfg: CalibConfig, a) -> dict:
     model = source.model.eval()
     monitor = calib_data.eval_sources(a.monitor, seed=2) if a.monitor else None
     load, cpu = os.getloadavg()[0], time.process_time()
-    files = run_calibration(model, source.directory, CalibRun(recipe=cfg, tokens=a.tokens, vocab_rate=a.vocab_rate,
+    files = run_calibration(model, source.directory, CalibRun(recipe=cfg, source=a.calib, tokens=a.tokens, vocab_rate=a.vocab_rate,
                                                              eval_sentences=a.eval_sentences, model_name=MODEL),
                             progress=False, monitor=monitor)
     report = json.loads(files["report.json"])
@@ -89,6 +89,7 @@ def table(report: dict) -> list[str]:
 
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--calib", default=CalibRun.source, help="calibration text: mixed, stdlib or a FILE")
     p.add_argument("--tokens", type=int, default=CalibRun.tokens)
     p.add_argument("--distill-steps", type=int, default=knobs.CALIB_DISTILL_STEPS)
     p.add_argument("--e2e-steps", type=int, default=knobs.CALIB_E2E_STEPS)

@@ -45,10 +45,14 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--noise", type=float, default=0.0, help="upcycle: relative noise added to each expert copy")
     c.add_argument("--seed", type=int, default=0,
                    help="seed of everything random in the conversion: --random-init weights, routers, --noise")
-    c.add_argument("--calib", default=None, metavar="SOURCE",
-                   help="split: calibrate on text: 'stdlib' (Python standard library docstrings) or a text FILE")
+    c.add_argument("--calib", nargs="?", const="mixed", default=None, metavar="SOURCE",
+                   help="split: calibrate on text: 'mixed' (the default of a bare --calib: the Python standard "
+                        "library's docstrings, comments and reference and other projects' documentation packaged "
+                        "with moecompile), 'stdlib' (the standard library's alone) or a text FILE (mixed text "
+                        "fills what it lacks)")
     c.add_argument("--calib-tokens", type=int, default=knobs.CALIB_TOKENS,
-                   help=f"calibration tokens (default {knobs.CALIB_TOKENS}: about all of --calib stdlib's sentences)")
+                   help=f"calibration tokens (default {knobs.CALIB_TOKENS}: about all of the standard library's "
+                        "sentences)")
     c.add_argument("--shared-experts", type=int, default=None,
                    help="always-on expert-equivalents, counted in --top-k (default with --calib: --top-k // 2, "
                         "at most 2 routed beyond --top-k 4)")

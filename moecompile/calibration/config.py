@@ -72,7 +72,7 @@ class CalibRun:
     """A whole calibrated conversion (`convert --calib`): where the text comes from, how much of it, which FFNs,
     how to report, and the per-block recipe."""
     recipe: CalibConfig
-    source: str = "stdlib"  # "stdlib" (standard-library docstring sentences) or a text file's path
+    source: str = "mixed"  # "mixed" (the standard library's text and other projects'), "stdlib" or a text file's path
     tokens: int = CALIB_TOKENS  # calibration tokens
     eval_sentences: int = CALIB_EVAL_SENTENCES  # held-out sentences for the quality report (0: none)
     layers: str | None = None  # which FFNs (parse_layers syntax); None: all

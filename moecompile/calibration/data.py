@@ -211,12 +211,12 @@ def _dependencies() -> list[str]:
     return sorted(seen)
 
 
-def _package_sentences(name: str, want: int) -> list[str]:
-    """Docstring sentences (EVAL_WORDS) of an installed package, its files read in a stable hash order until `want`
-    sentences: the first files of a large package (torch) are a fair sample of all of them."""
+def _package_sentences(name: str, want: int, skip: frozenset = frozenset()) -> list[str]:
+    """Docstring sentences (EVAL_WORDS) of an installed package, its files (not those below a `skip` folder) read in a
+    stable hash order until `want` sentences: the first files of a large package (torch) are a fair sample of all."""
     root = Path(sysconfig.get_paths()["purelib"]) / name
-    files = sorted((p for _, p in _source_files(root)), key=lambda p: hashlib.sha256(
-        str(p.relative_to(root)).encode()).digest())
+    files = sorted((p for _, p in _source_files(root) if not skip.intersection(p.relative_to(root).parts)),
+                   key=lambda p: hashlib.sha256(str(p.relative_to(root)).encode()).digest())
     out, seen = [], set()
     for path in files:
         try:
@@ -232,25 +232,39 @@ def _package_sentences(name: str, want: int) -> list[str]:
     return out
 
 
-def _readme_sentences() -> list[str]:
-    """Sentences (EVAL_WORDS) of the long descriptions (READMEs) and licence files of moecompile's dependencies."""
+def licence_files(dist) -> list[Path]:
+    """The licence files in an installed distribution's *.dist-info folder."""
+    return [Path(f.locate()) for f in dist.files or []
+            if ".dist-info/" in str(f) and re.search(r"LICEN[CS]E|COPYING", f.name, re.I)]
+
+
+def distribution_sentences(names: list[str]) -> list[str]:
+    """Sentences (EVAL_WORDS) of the long descriptions (READMEs) and licence files of the named installed
+    distributions (those not installed are left out)."""
     from importlib import metadata
 
     texts = []
-    for name in _dependencies():
+    for name in names:
         try:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
             continue
         texts.append(dist.metadata.get_payload() or dist.metadata.get("Description") or "")
-        for f in dist.files or []:
-            if ".dist-info/" in str(f) and re.search(r"LICEN[CS]E|COPYING", f.name, re.I):
-                try:
-                    texts.append(Path(f.locate()).read_text(encoding="utf-8", errors="replace"))
-                except OSError:
-                    continue
+        for path in licence_files(dist):
+            try:
+                texts.append(path.read_text(encoding="utf-8", errors="replace"))
+            except OSError:
+                continue
     paragraphs = [_MARKUP.sub(r"\1", p) for t in texts for p in re.split(r"\n\s*\n", t)]
     return list(dict.fromkeys(sentences(_paragraphs("\n\n".join(paragraphs)), *EVAL_WORDS)))
+
+
+def dependency_sentences(n: int) -> dict[str, list[str]]:
+    """The out-of-domain evaluation pools: up to 4n docstring sentences of each of DEPENDENCY_DOCSTRINGS that is
+    installed, and `readmes`, every sentence of the READMEs and licences of moecompile's dependencies."""
+    pools = {name: _package_sentences(name, 4 * n) for name in DEPENDENCY_DOCSTRINGS}
+    pools["readmes"] = distribution_sentences(_dependencies())
+    return pools
 
 
 def eval_sources(n: int, seed: int = 0) -> dict[str, list[str]]:
@@ -258,10 +272,7 @@ def eval_sources(n: int, seed: int = 0) -> dict[str, list[str]]:
     held-out packages' docstrings: in-domain), then out of domain each of DEPENDENCY_DOCSTRINGS that is installed
     (its docstrings) and `readmes` (READMEs and licences of moecompile's dependencies)."""
     seen = {s for split in SPLITS[:2] for kind in STDLIB_KINDS for s in sentences(corpus(split, kind), 1, 10**9)}
-    pools = {"stdlib": sentences(corpus("heldout"), *EVAL_WORDS)}
-    for name in DEPENDENCY_DOCSTRINGS:
-        pools[name] = _package_sentences(name, 4 * n)
-    pools["readmes"] = _readme_sentences()
+    pools = {"stdlib": sentences(corpus("heldout"), *EVAL_WORDS), **dependency_sentences(n)}
     out = {}
     for name, pool in pools.items():
         pool = [s for s in pool if s not in seen]
