@@ -1,10 +1,10 @@
 """Calibrated split of the real all-MiniLM-L6-v2 into 16 experts: quality vs FFN FLOPs at every top_k, on held-out
 text of the calibration's own domain and of several others.
 
-    python bench/calibrated_split.py [--recipe-k 4,8] [--eval-sentences 512] [--baselines] [--monitor 0]
-        [--checkpoints DIR ...] [--out bench/results/calibrated-split.md]
+    python bench/calibrated_split.py [--calib mixed] [--recipe-k 4,8] [--eval-sentences 512] [--baselines]
+        [--monitor 0] [--checkpoints DIR ...] [--out bench/results/calibrated-split.md]
 
-Each run is one `convert --calib mixed` calibration (--calib: another source) (moecompile.calibration.report.run_calibration, the CLI's own
+Each run is one `convert --calib mixed` calibration (moecompile.calibration.report.run_calibration, the CLI's own
 code) in a fresh process, with the CLI defaults unless a flag changes them:
 - recipe@k: the default recipe distilled at top_k = k (one checkpoint per k in --recipe-k),
 - coact / random (--baselines): the co-activation split or a random split, training-free,
@@ -46,9 +46,9 @@ def run(cfg: CalibConfig, a) -> dict:
     model = source.model.eval()
     monitor = calib_data.eval_sources(a.monitor, seed=2) if a.monitor else None
     load, cpu = os.getloadavg()[0], time.process_time()
-    files = run_calibration(model, source.directory, CalibRun(recipe=cfg, source=a.calib, tokens=a.tokens, vocab_rate=a.vocab_rate,
-                                                             eval_sentences=a.eval_sentences, model_name=MODEL),
-                            progress=False, monitor=monitor)
+    calib_run = CalibRun(recipe=cfg, source=a.calib, tokens=a.tokens, vocab_rate=a.vocab_rate,
+                         eval_sentences=a.eval_sentences, model_name=MODEL)
+    files = run_calibration(model, source.directory, calib_run, progress=False, monitor=monitor)
     report = json.loads(files["report.json"])
     report["cpu_seconds"] = time.process_time() - cpu
     report["load"] = [load, os.getloadavg()[0]]

@@ -132,6 +132,8 @@ def moecompile_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
     _records.append(CompileRecord(gm, ctx.reports, ctx.checked, matvec))
     for name, report in ctx.reports:
         log.info("%s: %s", name, report)
+    if matvec:
+        log.info("decode_matvec: %d one-row linears as matrix-vector reductions", matvec)
     gm, constants = _constants_as_inputs(gm)
     inputs = [*example_inputs, *constants]
     if not opts["inductor"]:  # AOT autograd without code generation: the rewritten graph as inductor sees it

@@ -319,14 +319,50 @@ def test_stdlib_calibration_text_draws_on_every_kind_equally():
     assert calibration_texts("stdlib") == texts and calibration_texts("stdlib", seed=1) != texts
 
 
-def test_calib_file_comes_first_and_the_stdlib_mix_fills_the_budget(tmp_path):
+def test_mixed_calibration_text_interleaves_the_stdlib_mix_and_the_packaged_text():
+    from moecompile.calibration import data as calib_data
+    from moecompile.calibration.report import calibration_texts
+
+    stdlib, other = calibration_texts("stdlib"), calib_data.other_sentences()
+    texts = calibration_texts("mixed")
+    assert len(other) > 5000 and sorted(texts) == sorted(stdlib + list(other))
+    head = texts[:1000]  # any prefix (what a token budget takes) draws on both halves equally
+    assert sum(t in set(other) for t in head) == 500
+    assert calibration_texts("mixed") == texts and calibration_texts("mixed", seed=1) != texts
+
+
+def test_packaged_text_shares_nothing_with_evaluation_text_and_carries_its_licences(tmp_path, monkeypatch):
+    from moecompile.calibration import data as calib_data
+    from moecompile.calibration import other_text
+
+    other = set(calib_data.other_sentences())
+    assert all(8 <= len(s.split()) <= 40 for s in other)
+    evaluation = {s for pool in calib_data.dependency_sentences(512).values() for s in pool}
+    assert len(evaluation) > 2000 and not other & evaluation
+    assert not set(calib_data._dependencies()) & set(other_text.DOCSTRINGS.values())
+    headers = [line for line in other_text.LICENCES.read_text(encoding="utf-8").splitlines()
+               if line.startswith("==== ")]
+    for name in other_text.DOCSTRINGS.values():
+        assert any(f" {name} " in h or h.startswith(f"==== {name} ") for h in headers), name
+    broken = tmp_path / "other_text.txt.gz"
+    broken.write_bytes(b"not gzip")
+    monkeypatch.setattr(calib_data, "OTHER_TEXT", broken)
+    calib_data.other_sentences.cache_clear()
+    try:
+        with pytest.raises(MoECompileError, match="packaged calibration text"):
+            calib_data.other_sentences()
+    finally:
+        calib_data.other_sentences.cache_clear()
+
+
+def test_calib_file_comes_first_and_the_mixed_text_fills_the_budget(tmp_path):
     from moecompile.calibration.report import calibration_texts
 
     own = [f"My own paragraph number {i} about routing tokens to experts." for i in range(20)]
     path = tmp_path / "calib.txt"
     path.write_text("\n\n".join(own) + "\n")
     texts = calibration_texts(str(path))
-    assert sorted(texts[:20]) == sorted(own) and texts[20:] == calibration_texts("stdlib")
+    assert sorted(texts[:20]) == sorted(own) and texts[20:] == calibration_texts("mixed")
     tok = T.ByteTokenizer(1000)  # ids are the UTF-8 bytes (the first 128): batches decode back to their texts
 
     def decoded(budget):
@@ -336,7 +372,7 @@ def test_calib_file_comes_first_and_the_stdlib_mix_fills_the_budget(tmp_path):
     size = sum(len(t.encode()) for t in own)
     assert decoded(size // 2) < set(own)  # a small budget: the file alone
     big = decoded(3 * size)
-    mix = {t.encode()[:128].decode("utf-8", "ignore") for t in calibration_texts("stdlib")}
+    mix = {t.encode()[:128].decode("utf-8", "ignore") for t in calibration_texts("mixed")}
     assert set(own) < big and big - set(own) <= mix  # more: the mix joins
 
 
@@ -363,11 +399,12 @@ def test_calib_config_validation(kw):
         CF.CalibConfig(**{"experts": 4, "top_k": 2, **kw})
 
 
-@pytest.mark.parametrize("name,metric", [("tiny-bert", "mean_cosine"), ("tiny-gpt2", "perplexity")])
-def test_cli_calibrated_split_writes_report(tmp_path, capsys, name, metric):
+@pytest.mark.parametrize("name,metric,calib", [("tiny-bert", "mean_cosine", []),
+                                               ("tiny-gpt2", "perplexity", ["stdlib"])])
+def test_cli_calibrated_split_writes_report(tmp_path, capsys, name, metric, calib):
     out = tmp_path / "out"
     rc = main(["convert", name, "--random-init", "--experts", "4", "--top-k", "2", "--method", "split",
-               "--calib", "stdlib", "--calib-tokens", "600", "--shared-experts", "1", "--distill-steps", "2",
+               "--calib", *calib, "--calib-tokens", "600", "--shared-experts", "1", "--distill-steps", "2",
                "--router-steps", "2", "--e2e-steps", "2", "--eval-sentences", "32", "--capacity-factor", "0",
                "--device", "cpu",
                "--out", str(out), "--no-progress"])
@@ -375,6 +412,7 @@ def test_cli_calibrated_split_writes_report(tmp_path, capsys, name, metric):
     report = json.loads((out / "report.json").read_text())
     assert (out / "report.png").stat().st_size > 0
     assert report["calibration"]["tokens"] >= 600
+    assert report["calibration"]["source"] == (calib[0] if calib else "mixed")  # a bare --calib: the mixed text
     assert report["config"]["router_steps"] == 2 and report["config"]["distill_steps"] == 2
     assert report["config"]["e2e_steps"] == 2
     assert [r["top_k"] for r in report["curve"]] == [1, 2, 3, 4]
@@ -430,7 +468,7 @@ def test_eval_sources_share_nothing_with_calibration_text():
     assert sources == calib_data.eval_sources(48, seed=1)
     assert "stdlib" in sources and {"torch", "transformers", "readmes"} <= set(sources)
     calib = {s for split in ("calib", "select") for k in calib_data.STDLIB_KINDS
-             for s in calib_data.sentences(calib_data.corpus(split, k), 1, 10**9)}
+             for s in calib_data.sentences(calib_data.corpus(split, k), 1, 10**9)} | set(calib_data.other_sentences())
     for name, texts in sources.items():
         assert len(texts) == 48 and len(set(texts)) == 48, name
         assert all(8 <= len(t.split()) <= 40 for t in texts) and not set(texts) & calib, name

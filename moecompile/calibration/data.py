@@ -1,6 +1,6 @@
 """Text for calibration and evaluation that exists on every machine offline (nothing imported or downloaded).
 
-Calibration reads only the Python standard library, three kinds of English prose in it: `docstrings` (with `ast`),
+Calibration reads the Python standard library, three kinds of English prose in it: `docstrings` (with `ast`),
 `comments` (with `tokenize`) and `reference` (the language and library reference of `pydoc_data.topics`). Each
 unit is assigned by a stable hash of its top-level package (or reference topic) to `calib` (80%), `select` (10%:
 the text the end-to-end stage is judged on) or `heldout` (10%: the report's in-domain number).
@@ -8,12 +8,14 @@ the text the end-to-end stage is judged on) or `heldout` (10%: the report's in-d
 Evaluation (`eval_sources`) uses text that shares nothing with calibration: the held-out standard-library
 docstrings (in-domain), and out of domain the docstrings of moecompile's dependencies and the READMEs and licences
 in their *.dist-info folders. Calibration never reads a dependency's text, so that text stays fit for evaluation.
+`other_sentences` reads the calibration text of other projects packaged with moecompile (other_text.py builds it).
 `read_text_file` turns the user's own file (`--calib FILE`) into paragraphs.
 """
 from __future__ import annotations
 
 import ast
 import functools
+import gzip
 import hashlib
 import io
 import random
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from moecompile.errors import MoECompileError
 
+OTHER_TEXT = Path(__file__).with_name("other_text.txt.gz")  # one sentence a line; other_text.py writes it
 SPLIT_BUCKETS = 10  # hash bucket 0 of a package: held-out text, bucket 1: selection text, the rest: calibration
 SPLITS = ("calib", "select", "heldout")
 STDLIB_KINDS = ("docstrings", "comments", "reference")
@@ -190,6 +193,17 @@ def stdlib_mix(split: str = "calib", seed: int = 0, words: list[str] = (), rate:
     return interleave(parts, seed)
 
 
+@functools.lru_cache(maxsize=1)
+def other_sentences() -> tuple[str, ...]:
+    """The packaged sentences of other projects' documentation (other_text.py), in their file's order."""
+    try:
+        with gzip.open(OTHER_TEXT, "rt", encoding="utf-8") as f:
+            return tuple(line.rstrip("\n") for line in f if line.strip())
+    except (OSError, EOFError) as e:
+        raise MoECompileError(f"cannot read moecompile's packaged calibration text {OTHER_TEXT} ({e}); reinstall "
+                              "moecompile or pass --calib stdlib") from None
+
+
 def _dependencies() -> list[str]:
     """moecompile's required distributions and theirs (extras left out), by name, sorted."""
     from importlib import metadata
@@ -268,10 +282,12 @@ def dependency_sentences(n: int) -> dict[str, list[str]]:
 
 
 def eval_sources(n: int, seed: int = 0) -> dict[str, list[str]]:
-    """Evaluation sentences, up to n per source, none of them in the calibration or selection text: `stdlib` (the
-    held-out packages' docstrings: in-domain), then out of domain each of DEPENDENCY_DOCSTRINGS that is installed
-    (its docstrings) and `readmes` (READMEs and licences of moecompile's dependencies)."""
+    """Evaluation sentences, up to n per source, none of them in the calibration text (the standard library's and
+    the packaged text of other projects) or the selection text: `stdlib` (the held-out packages' docstrings:
+    in-domain), then out of domain each of DEPENDENCY_DOCSTRINGS that is installed (its docstrings) and `readmes`
+    (READMEs and licences of moecompile's dependencies)."""
     seen = {s for split in SPLITS[:2] for kind in STDLIB_KINDS for s in sentences(corpus(split, kind), 1, 10**9)}
+    seen.update(other_sentences())
     pools = {"stdlib": sentences(corpus("heldout"), *EVAL_WORDS), **dependency_sentences(n)}
     out = {}
     for name, pool in pools.items():

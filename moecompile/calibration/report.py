@@ -12,7 +12,6 @@ import torch
 
 from moecompile.calibration import data as calib_data
 from moecompile.calibration.calibrate import calibrate_model
-from moecompile.calibration import other_text
 from moecompile.calibration.config import CalibRun
 from moecompile.calibration.e2e import Judge
 from moecompile.calibration.evaluate import ffn_flops, headline, model_outputs, quality_curve, worst_source
@@ -27,12 +26,12 @@ def calibration_texts(source: str, seed: int = 0, words: list[str] = (), rate: f
     """Calibration text in the order token_batches takes it until its token budget. stdlib: single sentences of
     the standard library's docstrings, comments and reference (and with `words`, `rate`: the vocabulary-substituted
     copies of data.stdlib_mix), interleaved so every part gets about an equal share; mixed: that and the packaged
-    text of other projects (other_text), interleaved; a FILE: its paragraphs (shuffled), then the mixed text, which
-    fills the budget when the file is small."""
+    text of other projects (data.other_sentences), interleaved; a FILE: its paragraphs (shuffled), then the mixed
+    text, which fills the budget when the file is small."""
     mix = calib_data.stdlib_mix("calib", seed, words, rate)
     if source == "stdlib":
         return mix
-    mix = calib_data.interleave([mix, list(other_text.sentences())], seed)
+    mix = calib_data.interleave([mix, list(calib_data.other_sentences())], seed)
     if source == "mixed":
         return mix
     own = calib_data.read_text_file(source)
