@@ -61,11 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--partition", choices=knobs.PARTITIONS, default="kmeans",
                    help="how neurons are grouped into experts (default kmeans on co-activation)")
     c.add_argument("--router-steps", type=int, default=0, help="router training steps after the least-squares fit")
-    c.add_argument("--distill-steps", type=int, default=knobs.CALIB_DISTILL_STEPS,
-                   help=f"layer-wise distillation steps per FFN (default {knobs.CALIB_DISTILL_STEPS})")
-    c.add_argument("--e2e-steps", type=int, default=knobs.CALIB_E2E_STEPS,
-                   help="end-to-end distillation steps on the last hidden state after the layer-wise stage "
-                        f"(default {knobs.CALIB_E2E_STEPS})")
+    steps = ", ".join(f"{n[0]} on {d}" for d, n in knobs.CALIB_STEPS.items())
+    c.add_argument("--distill-steps", type=int, default=None,
+                   help=f"layer-wise distillation steps per FFN (default {steps})")
+    steps = ", ".join(f"{n[1]} on {d}" for d, n in knobs.CALIB_STEPS.items())
+    c.add_argument("--e2e-steps", type=int, default=None,
+                   help=f"end-to-end distillation steps on the last hidden state after the layer-wise stage "
+                        f"(default {steps})")
     c.add_argument("--eval-sentences", type=int, default=knobs.CALIB_EVAL_SENTENCES,
                    help="held-out sentences per evaluation source for the report (0: none)")
     c.add_argument("--device", default="cpu", help="split: where calibration runs, e.g. cuda (default cpu); the "

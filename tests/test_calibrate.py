@@ -305,6 +305,19 @@ def test_default_shared_experts_is_half_of_top_k_at_most_two_routed_and_valid():
         CF.CalibConfig(experts=16, top_k=k, shared_experts=CF.default_shared_experts(k))
 
 
+def test_default_calibration_steps_follow_the_device_and_flags_override_them(monkeypatch):
+    from moecompile.cli import _parser
+    from moecompile.ir import knobs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # CalibRun checks the device exists
+    base = ["convert", "tiny-bert", "--experts", "4", "--method", "split", "--calib"]
+    for extra, want in [([], knobs.CALIB_STEPS["cpu"]), (["--device", "cuda:1"], knobs.CALIB_STEPS["cuda"]),
+                        (["--distill-steps", "7", "--device", "cuda"], (7, knobs.CALIB_STEPS["cuda"][1]))]:
+        recipe = CF.CalibRun.from_args(_parser().parse_args(base + extra)).recipe
+        assert (recipe.distill_steps, recipe.e2e_steps) == want, extra
+    assert knobs.CALIB_STEPS["cpu"] < knobs.CALIB_STEPS["cuda"]  # the CPU's budget is the tighter one
+
+
 def test_stdlib_calibration_text_draws_on_every_kind_equally():
     from moecompile.calibration import data as calib_data
     from moecompile.calibration.report import calibration_texts
