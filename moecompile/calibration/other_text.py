@@ -22,7 +22,7 @@ from moecompile.calibration import data
 from moecompile.errors import MoECompileError
 
 DOCSTRINGS = {"scipy": "scipy", "sklearn": "scikit-learn", "pip": "pip"}  # import name -> distribution
-DOCSTRING_SENTENCES = 1500  # per package: each package about as much as the READMEs and licences together
+DOCSTRING_SENTENCES = 1500  # per package (pip has fewer): the docstrings are about half of the packaged text
 # READMEs and licences: every installed distribution under a permissive licence that is neither a dependency nor
 # one of moecompile's own optional features (whose documentation is as close to moecompile's as a dependency's)
 FEATURE_EXTRAS = {"matplotlib", "lightning", "mlflow-skinny", "onnxscript", "onnxruntime", "accelerate",
@@ -42,12 +42,13 @@ def _licence(dist) -> str:
 
 
 def readme_sources() -> list[str]:
-    """The installed distributions whose READMEs and licences the packaged text takes."""
+    """The installed distributions whose READMEs and licences the packaged text takes: those that carry a licence file
+    (what the packaged text must pass on with their words)."""
     from importlib import metadata
 
     exclude = set(data._dependencies()) | FEATURE_EXTRAS
     return sorted({_name(d) for d in metadata.distributions()
-                   if _name(d) not in exclude and PERMISSIVE.search(_licence(d) or "")})
+                   if _name(d) not in exclude and PERMISSIVE.search(_licence(d)) and data.licence_files(d)})
 
 
 def build() -> tuple[list[str], str]:
