@@ -204,6 +204,11 @@ def other_sentences() -> tuple[str, ...]:
                               "moecompile or pass --calib stdlib") from None
 
 
+def distribution_name(name: str) -> str:
+    """A distribution's name as _dependencies lists it (lower case, "-" for "_"), to compare names by."""
+    return name.lower().replace("_", "-")
+
+
 def _dependencies() -> list[str]:
     """moecompile's required distributions and theirs (extras left out), by name, sorted."""
     from importlib import metadata
@@ -218,7 +223,7 @@ def _dependencies() -> list[str]:
         for req in requires:
             if "extra ==" in req:
                 continue
-            dep = re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower().replace("_", "-")
+            dep = distribution_name(re.match(r"[A-Za-z0-9_.-]+", req).group(0))
             if dep not in seen:
                 seen.add(dep)
                 todo.append(dep)

@@ -31,10 +31,6 @@ PERMISSIVE = re.compile(r"\b(MIT|BSD|Apache|PSF|Python Software Foundation|ISC)\
 LICENCES = Path(__file__).with_name("other_text_licences.txt")
 
 
-def _name(dist) -> str:
-    return dist.metadata["Name"].lower().replace("_", "-")
-
-
 def _licence(dist) -> str:
     classifiers = [c.rsplit("::", 1)[-1].strip() for c in dist.metadata.get_all("Classifier") or [] if "License" in c]
     free_text = (dist.metadata.get("License") or "").strip().splitlines()
@@ -47,8 +43,9 @@ def readme_sources() -> list[str]:
     from importlib import metadata
 
     exclude = set(data._dependencies()) | FEATURE_EXTRAS
-    return sorted({_name(d) for d in metadata.distributions()
-                   if _name(d) not in exclude and PERMISSIVE.search(_licence(d)) and data.licence_files(d)})
+    names = {data.distribution_name(d.metadata["Name"]): d for d in metadata.distributions()}
+    return sorted(name for name, d in names.items()
+                  if name not in exclude and PERMISSIVE.search(_licence(d)) and data.licence_files(d))
 
 
 def build() -> tuple[list[str], str]:
