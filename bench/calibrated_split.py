@@ -47,7 +47,7 @@ def run(cfg: CalibConfig, a) -> dict:
     monitor = calib_data.eval_sources(a.monitor, seed=2) if a.monitor else None
     load, cpu = os.getloadavg()[0], time.process_time()
     calib_run = CalibRun(recipe=cfg, source=a.calib, tokens=a.tokens, vocab_rate=a.vocab_rate,
-                         eval_sentences=a.eval_sentences, model_name=MODEL)
+                         eval_sentences=a.eval_sentences, model_name=MODEL, device=a.device)
     files = run_calibration(model, source.directory, calib_run, progress=False, monitor=monitor)
     report = json.loads(files["report.json"])
     report["cpu_seconds"] = time.process_time() - cpu
@@ -75,6 +75,20 @@ def score_checkpoint(path: str, a) -> dict:
             "load": None}
 
 
+def overrides(settings: list[str]) -> dict:
+    """--set FIELD=VALUE pairs as CalibConfig keyword arguments (VALUE parsed as JSON, else kept as a string)."""
+    out = {}
+    for item in settings:
+        field, _, value = item.partition("=")
+        if field not in CalibConfig.__dataclass_fields__:
+            raise SystemExit(f"--set {item}: CalibConfig has no field {field!r}")
+        try:
+            out[field] = json.loads(value)
+        except json.JSONDecodeError:
+            out[field] = value
+    return out
+
+
 def table(report: dict) -> list[str]:
     names = list(report["curve"][0]["sources"])
     lines = ["| top_k | ffn_flop_fraction | " + " | ".join(names) + " | worst other |",
@@ -91,20 +105,27 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--calib", default=CalibRun.source, help="calibration text: mixed, stdlib or a FILE")
     p.add_argument("--tokens", type=int, default=CalibRun.tokens)
-    p.add_argument("--distill-steps", type=int, default=knobs.calib_steps("cpu")[0])
-    p.add_argument("--e2e-steps", type=int, default=knobs.calib_steps("cpu")[1])
+    p.add_argument("--distill-steps", type=int, help="default: the CLI's for --device (knobs.calib_steps)")
+    p.add_argument("--e2e-steps", type=int, help="default: the CLI's for --device")
     p.add_argument("--vocab-rate", type=float, default=CalibRun.vocab_rate)
     p.add_argument("--no-keep-best", action="store_true", help="keep the last end-to-end parameters")
+    p.add_argument("--device", default="cpu", help="where calibration runs (cuda: a GPU)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a CalibConfig field for every recipe run, e.g. shared_experts=3 (VALUE read as JSON)")
     p.add_argument("--eval-sentences", type=int, default=512)
     p.add_argument("--recipe-k", default="4,8")
     p.add_argument("--baselines", action="store_true", help="also the training-free coact and random splits")
     p.add_argument("--monitor", type=int, default=0)
     p.add_argument("--checkpoints", nargs="*", default=[])
+    p.add_argument("--commit", help="the commit to name in the header (default: git's HEAD here)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "calibrated-split.md"))
     a = p.parse_args()
-    configs = {f"recipe@{k}": CalibConfig(experts=16, top_k=k, shared_experts=default_shared_experts(k),
-                                         distill_steps=a.distill_steps, e2e_steps=a.e2e_steps,
-                                         e2e_keep_best=not a.no_keep_best)
+    steps = knobs.calib_steps(a.device)
+    a.distill_steps = steps[0] if a.distill_steps is None else a.distill_steps
+    a.e2e_steps = steps[1] if a.e2e_steps is None else a.e2e_steps
+    configs = {f"recipe@{k}": CalibConfig(**{"experts": 16, "top_k": k, "shared_experts": default_shared_experts(k),
+                                             "distill_steps": a.distill_steps, "e2e_steps": a.e2e_steps,
+                                             "e2e_keep_best": not a.no_keep_best, **overrides(a.set)})
                for k in [int(v) for v in a.recipe_k.split(",") if v]}
     if a.baselines:
         configs["coact"] = CalibConfig(experts=16, top_k=8)
@@ -115,8 +136,8 @@ def main():
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             reports[name] = pool.submit(job[0], job[1], a).result()
         print(name, json.dumps({k: v for k, v in reports[name].items() if k in ("calibration", "load")}), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        cwd=Path(__file__).parent).stdout.strip()
     lines = ["# Calibrated split of all-MiniLM-L6-v2 (16 experts): in-domain and out-of-domain", "",
              f"Commit {commit}; command: `OMP_NUM_THREADS=2 python bench/calibrated_split.py {' '.join(sys.argv[1:])}`"
              , "",
