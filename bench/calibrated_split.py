@@ -2,11 +2,13 @@
 text of the calibration's own domain and of several others.
 
     python bench/calibrated_split.py [--calib mixed] [--recipe-k 4,8] [--eval-sentences 512] [--baselines]
-        [--monitor 0] [--checkpoints DIR ...] [--out bench/results/calibrated-split.md]
+        [--device cpu] [--set FIELD=VALUE ...] [--monitor 0] [--checkpoints DIR ...]
+        [--out bench/results/calibrated-split.md]
 
 Each run is one `convert --calib mixed` calibration (moecompile.calibration.report.run_calibration, the CLI's own
 code) in a fresh process, with the CLI defaults unless a flag changes them:
-- recipe@k: the default recipe distilled at top_k = k (one checkpoint per k in --recipe-k),
+- recipe@k: the default recipe distilled at top_k = k (one checkpoint per k in --recipe-k), its steps the CLI's for
+  --device and any CalibConfig field changed by --set (e.g. --set shared_experts=3 --set e2e_lr=0.001),
 - coact / random (--baselines): the co-activation split or a random split, training-free,
 - --checkpoints: saved checkpoints (with their report.json) scored on the same sentences, e.g. older recipes'.
 Per top_k and evaluation source (data.eval_sources): mean / 5th-percentile cosine of mean-pooled sentence
@@ -139,8 +141,8 @@ def main():
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                         cwd=Path(__file__).parent).stdout.strip()
     lines = ["# Calibrated split of all-MiniLM-L6-v2 (16 experts): in-domain and out-of-domain", "",
-             f"Commit {commit}; command: `OMP_NUM_THREADS=2 python bench/calibrated_split.py {' '.join(sys.argv[1:])}`"
-             , "",
+             f"Commit {commit}; command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python "
+             f"bench/calibrated_split.py {' '.join(sys.argv[1:])}`", "",
              f"Evaluation: up to {a.eval_sentences} sentences of 8-40 words per source (data.eval_sources): "
              f"`{IN_DOMAIN}` = docstrings of the standard-library packages held out of calibration (in-domain); the "
              "others share nothing with the calibration text: docstrings of torch, transformers, numpy and networkx, "
