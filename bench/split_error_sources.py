@@ -8,8 +8,6 @@ the convert's own report scores (data.eval_sources with the recipe's seed + 1); 
 """
 import argparse
 import json
-import re
-from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -34,19 +32,6 @@ def cosines(dense, split, tokenize, texts: list[str]) -> list[tuple[float, int, 
         b = pooled(split(**model_kwargs(split, enc)).last_hidden_state, enc["attention_mask"])
         out.append((F.cosine_similarity(a, b).item(), int(enc["attention_mask"].sum()), text))
     return out
-
-
-def licence_sentences() -> set[str]:
-    """The sentences of the `readmes` pool that come from licence files (distribution_sentences' splitting)."""
-    texts = []
-    for name in data._dependencies():
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            continue
-        texts += [p.read_text(encoding="utf-8", errors="replace") for p in data.licence_files(dist)]
-    paragraphs = [data._MARKUP.sub(r"\1", p) for t in texts for p in re.split(r"\n\s*\n", t)]
-    return set(data.sentences(data._paragraphs("\n\n".join(paragraphs)), *data.EVAL_WORDS))
 
 
 def mean(values) -> str:
@@ -75,7 +60,7 @@ def main():
         print(f"| {name} | {mean(c for c, _, _ in rows)} | {sum(n for _, n, _ in rows) / len(rows):.1f} | "
               + " | ".join(cells) + " |")
     if "readmes" in scored:
-        licences = licence_sentences()
+        licences = set(data.distribution_sentences(data._dependencies(), readmes=False))
         rows = scored["readmes"]
         print(f"\n`readmes`: licence sentences {mean(c for c, _, s in rows if s in licences)}, "
               f"README sentences {mean(c for c, _, s in rows if s not in licences)}")

@@ -257,9 +257,9 @@ def licence_files(dist) -> list[Path]:
             if ".dist-info/" in str(f) and re.search(r"LICEN[CS]E|COPYING", f.name, re.I)]
 
 
-def distribution_sentences(names: list[str]) -> list[str]:
-    """Sentences (EVAL_WORDS) of the long descriptions (READMEs) and licence files of the named installed
-    distributions (those not installed are left out)."""
+def distribution_sentences(names: list[str], readmes: bool = True) -> list[str]:
+    """Sentences (EVAL_WORDS) of the long descriptions (READMEs; not with readmes=False) and licence files of the named
+    installed distributions (those not installed are left out)."""
     from importlib import metadata
 
     texts = []
@@ -268,7 +268,8 @@ def distribution_sentences(names: list[str]) -> list[str]:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
             continue
-        texts.append(dist.metadata.get_payload() or dist.metadata.get("Description") or "")
+        if readmes:
+            texts.append(dist.metadata.get_payload() or dist.metadata.get("Description") or "")
         for path in licence_files(dist):
             try:
                 texts.append(path.read_text(encoding="utf-8", errors="replace"))
