@@ -140,9 +140,9 @@ def main():
         print(name, json.dumps({k: v for k, v in reports[name].items() if k in ("calibration", "load")}), flush=True)
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                         cwd=Path(__file__).parent).stdout.strip()
+    threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
     lines = ["# Calibrated split of all-MiniLM-L6-v2 (16 experts): in-domain and out-of-domain", "",
-             f"Commit {commit}; command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python "
-             f"bench/calibrated_split.py {' '.join(sys.argv[1:])}`", "",
+             f"Commit {commit}; command: `{threads}python bench/calibrated_split.py {' '.join(sys.argv[1:])}`", "",
              f"Evaluation: up to {a.eval_sentences} sentences of 8-40 words per source (data.eval_sources): "
              f"`{IN_DOMAIN}` = docstrings of the standard-library packages held out of calibration (in-domain); the "
              "others share nothing with the calibration text: docstrings of torch, transformers, numpy and networkx, "
