@@ -122,9 +122,7 @@ def main():
     p.add_argument("--commit", help="the commit to name in the header (default: git's HEAD here)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "calibrated-split.md"))
     a = p.parse_args()
-    steps = knobs.calib_steps(a.device)
-    a.distill_steps = steps[0] if a.distill_steps is None else a.distill_steps
-    a.e2e_steps = steps[1] if a.e2e_steps is None else a.e2e_steps
+    a.distill_steps, a.e2e_steps = knobs.calib_steps(a.device, a.distill_steps, a.e2e_steps)
     configs = {f"recipe@{k}": CalibConfig(**{"experts": 16, "top_k": k, "shared_experts": default_shared_experts(k),
                                              "distill_steps": a.distill_steps, "e2e_steps": a.e2e_steps,
                                              "e2e_keep_best": not a.no_keep_best, **overrides(a.set)})

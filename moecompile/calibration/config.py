@@ -91,12 +91,10 @@ class CalibRun:
     def from_args(cls, a) -> CalibRun:
         """From `moecompile convert`'s parsed arguments (shared experts default to default_shared_experts)."""
         shared = a.shared_experts if a.shared_experts is not None else default_shared_experts(a.top_k)
-        distill, e2e = calib_steps(a.device)
+        distill, e2e = calib_steps(a.device, a.distill_steps, a.e2e_steps)
         recipe = CalibConfig(experts=a.experts, top_k=a.top_k, shared_experts=shared, shared_kind=a.shared_kind,
-                             partition=a.partition, router_steps=a.router_steps,
-                             distill_steps=distill if a.distill_steps is None else a.distill_steps,
-                             e2e_steps=e2e if a.e2e_steps is None else a.e2e_steps,
-                             capacity_factor=a.capacity_factor, seed=a.seed)
+                             partition=a.partition, router_steps=a.router_steps, distill_steps=distill,
+                             e2e_steps=e2e, capacity_factor=a.capacity_factor, seed=a.seed)
         return cls(recipe=recipe, source=a.calib, tokens=a.calib_tokens, eval_sentences=a.eval_sentences,
                    layers=a.layers, model_name=a.model, device=a.device)
 

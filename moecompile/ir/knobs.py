@@ -26,9 +26,11 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
           "float16": "float16", "fp16": "float16"}
 
 
-def calib_steps(device: str) -> tuple[int, int]:
-    """The default (layer-wise, end-to-end) calibration steps on `device` ("cpu", "cuda", "cuda:1", ...)."""
-    return CALIB_STEPS["cuda" if device.startswith("cuda") else "cpu"]
+def calib_steps(device: str, distill_steps: int | None = None, e2e_steps: int | None = None) -> tuple[int, int]:
+    """The (layer-wise, end-to-end) calibration steps on `device` ("cpu", "cuda", "cuda:1", ...): each one given
+    (not None), else its default there."""
+    distill, e2e = CALIB_STEPS["cuda" if device.startswith("cuda") else "cpu"]
+    return (distill if distill_steps is None else distill_steps, e2e if e2e_steps is None else e2e_steps)
 
 
 def _is_int(value) -> bool:
