@@ -153,16 +153,17 @@ def _copy_rows(x_ptr, rows_ptr, a, pos, amask, hidden: tl.constexpr, TOP_K: tl.c
 @triton.jit
 def _scatter_rows_kernel(x_ptr, ids_ptr, rank_ptr, base_ptr, order_ptr, rows_ptr, n, num_blocks,
                          hidden: tl.constexpr, TOP_K: tl.constexpr, RANK_BLOCK: tl.constexpr, BLOCK_A: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+                         BLOCK_H: tl.constexpr, COPY: tl.constexpr):
     """Sorted position of each assignment = its expert's start + the earlier blocks' count + its rank; writes
-    order[pos] = a and copies the token's row to rows[pos]."""
+    order[pos] = a and (COPY) copies the token's row to rows[pos]."""
     a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
     amask = a < n
     e = tl.load(ids_ptr + a, mask=amask, other=0).to(tl.int32)
     pos = tl.load(base_ptr + e * num_blocks + a // RANK_BLOCK, mask=amask, other=0) + \
         tl.load(rank_ptr + a, mask=amask, other=0)
     tl.store(order_ptr + pos, a.to(tl.int64), mask=amask)
-    _copy_rows(x_ptr, rows_ptr, a, pos, amask, hidden, TOP_K, BLOCK_H)
+    if COPY:
+        _copy_rows(x_ptr, rows_ptr, a, pos, amask, hidden, TOP_K, BLOCK_H)
 
 
 @triton.jit
@@ -188,18 +189,19 @@ def _small_dispatch_kernel(x_ptr, ids_ptr, order_ptr, rows_ptr, offsets_ptr, n, 
     _copy_rows(x_ptr, rows_ptr, a, pos, amask, hidden, TOP_K, BLOCK_H)
 
 
-def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
-    """(sorted rows [T*k, H], order [T*k] int64, offsets [E] int32) as kernels/reference.py's dispatch."""
+def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, copy_rows: bool = True):
+    """(sorted rows [T*k, H], order [T*k] int64, offsets [E] int32) as kernels/reference.py's dispatch. Without
+    copy_rows only the order and offsets are computed (rows is None): for GEMMs that gather their rows themselves."""
     tokens, top_k = expert_ids.shape
     n, width = tokens * top_k, hidden.shape[1]
-    rows = hidden.new_empty(n, width)
+    rows = hidden.new_empty(n, width) if copy_rows else None
     order = torch.empty(n, dtype=torch.int64, device=hidden.device)
     if n == 0:
         return rows, order, torch.zeros(num_experts, dtype=torch.int32, device=hidden.device)
     block_h = 512 if hidden.element_size() == 1 else 256  # FP8 rows (FP8 dispatch): 512 bytes a copy, as bf16
     block_h = min(block_h, triton.next_power_of_2(width))
     ids = expert_ids.reshape(-1).contiguous()
-    if n <= SMALL_DISPATCH:
+    if n <= SMALL_DISPATCH and copy_rows:
         offsets = torch.empty(num_experts, dtype=torch.int32, device=hidden.device)
         block_a = 16
         _small_dispatch_kernel[(triton.cdiv(max(n, num_experts), block_a),)](
@@ -221,8 +223,8 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
     base = running - counts + (ends - totals).unsqueeze(1)
     block_a = 32
     _scatter_rows_kernel[(triton.cdiv(n, block_a),)](
-        hidden.contiguous(), ids, rank, base, order, rows, n, blocks, hidden=width, TOP_K=top_k,
-        RANK_BLOCK=rank_block, BLOCK_A=block_a, BLOCK_H=block_h)
+        hidden.contiguous(), ids, rank, base, order, rows if copy_rows else order, n, blocks, hidden=width,
+        TOP_K=top_k, RANK_BLOCK=rank_block, BLOCK_A=block_a, BLOCK_H=block_h, COPY=copy_rows)
     return rows, order, ends[:num_experts].contiguous()
 
 

@@ -17,7 +17,7 @@ def kernels() -> str | None:
 
 def ffn_in() -> str:
     """MOECOMPILE_FFN_IN: the CUDA kernel of the experts' first projection: auto (the tuned choice per shape),
-    grouped_mm, triton, triton_decode, triton_tma or triton_persistent."""
+    grouped_mm, triton, triton_decode, triton_tma, triton_persistent or quack (the quack extra, Hopper)."""
     return os.environ.get("MOECOMPILE_FFN_IN", "auto")
 
 

@@ -6,8 +6,9 @@ Expert GEMM kernels, per projection: "triton" / "triton_tma" = a Triton grouped 
 projection) in its epilogue, operands loaded by pointers / by TMA (Hopper); "triton_persistent" = the TMA one as a
 persistent kernel (one program per SM, epilogue overlapped with the next tile); "triton_decode" = the pointer kernel
 with tiles for few rows per expert (narrow M and N, long K: the hit experts' weights read once by many programs);
-"grouped_mm" = torch._grouped_mm (CUTLASS), after the first projection a one-pass Triton activation. "auto" takes the
-tuned choice.
+"grouped_mm" = torch._grouped_mm (CUTLASS), after the first projection a one-pass Triton activation; "quack" = QuACK's
+CuTe DSL varlen grouped GEMMs (the optional `quack` extra; activation in the first one's epilogue), QUACK_FALLBACK
+where it cannot run. "auto" takes the tuned choice.
 
 FP8 expert GEMMs: "rowwise" = per-row activation and per-channel weight scales applied after the K loop (weights
 converted from their 128x128 blocks once), faster for batches for a second rounding of weights and activations;
@@ -23,7 +24,7 @@ from importlib import resources
 
 from moecompile import settings
 
-FFN_IN = settings.ffn_in()  # auto | grouped_mm | triton | triton_decode | triton_tma | triton_persistent
+FFN_IN = settings.ffn_in()  # auto | grouped_mm | triton | triton_decode | triton_tma | triton_persistent | quack
 FFN_OUT = settings.ffn_out()
 FP8_GEMM = settings.fp8_gemm()  # auto | rowwise | block
 FP8_BLOCK_KERNEL = settings.fp8_block_kernel()  # auto | cutlass | gluon | triton
@@ -33,6 +34,7 @@ DECODE_ROWS_PER_EXPERT = 64
 # small-batch implementation: the host cost of launching Triton kernels outweighs what they save on the device.
 EAGER_HF_ROWS_PER_EXPERT = 2
 EXPERT_GEMM_CONFIG = "expert_gemm.json"  # in moecompile.kernels' configs/
+QUACK_FALLBACK = "triton_persistent"  # where "quack" is chosen but not installed, not Hopper, or the shape unsupported
 
 
 # Decode routing: top-k and dispatch in one launch, except one token over more experts than this, where the one-warp

@@ -9,7 +9,7 @@ reads them.
 """
 import torch
 
-from moecompile.kernels import grouped_mm, reference, triton_direct, triton_moe, triton_routing
+from moecompile.kernels import grouped_mm, quack_gemm, reference, triton_direct, triton_moe, triton_routing
 from moecompile.runtime import choices, fp8
 from moecompile.runtime.registry import KEPT_H, register_kernel
 
@@ -59,14 +59,18 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
     return (weights, ids, *dispatch(hidden, ids, router_weight.shape[0]))
 
 
-def _projection_kernels(x, w_in, w_out) -> tuple[str, str]:
+def _projection_kernels(x, w_in, w_out, activation: str, gated: bool) -> tuple[str, str]:
     first, second = choices.expert_gemm_kernels(x.shape[0], x.shape[1], w_out.shape[2], w_out.shape[0])
+    if "quack" in (first, second) and not quack_gemm.supported(x, w_in, w_out, activation, gated):
+        first, second = (choices.QUACK_FALLBACK if v == "quack" else v for v in (first, second))
     if not triton_moe.tma_supported(x, w_in):  # unaligned rows: the pointer-load kernel
         first, second = ("triton" if triton_moe.needs_tma(v) else v for v in (first, second))
     return first, second
 
 
 def _second_projection(a, offsets, w_out, b_out, kernel: str):
+    if kernel == "quack":
+        return quack_gemm.second_projection(a, quack_gemm.group_starts(offsets), w_out, b_out)
     if kernel.startswith("triton"):
         return triton_moe.grouped_ffn_in(a, offsets, w_out, b_out, None, False, variant=kernel)
     y = grouped_mm.grouped(a, w_out.transpose(-2, -1), offsets)
@@ -84,8 +88,10 @@ def _grouped_mm_first_projection(x, offsets, w_in, b_in, activation: str, gated:
 def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     if not grouped_mm.supported(x, w_in, w_out):
         return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
-    first, second = _projection_kernels(x, w_in, w_out)
-    if first.startswith("triton"):
+    first, second = _projection_kernels(x, w_in, w_out, activation, gated)
+    if first == "quack":
+        a = quack_gemm.first_projection(x, quack_gemm.group_starts(offsets), w_in, b_in, activation, gated)
+    elif first.startswith("triton"):
         a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, variant=first)
     else:
         a, _ = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
@@ -98,7 +104,7 @@ def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: 
     if not grouped_mm.supported(x, w_in, w_out):
         return reference.experts_train(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
     a, h = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
-    return _second_projection(a, offsets, w_out, b_out, _projection_kernels(x, w_in, w_out)[1]), h
+    return _second_projection(a, offsets, w_out, b_out, _projection_kernels(x, w_in, w_out, activation, gated)[1]), h
 
 
 def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gated: bool, has_b_out: bool, h=None):

@@ -8,6 +8,7 @@ import torch
 
 from moecompile import MoEBlock, MoEConfig
 from moecompile.ir import ops
+from moecompile.kernels import quack_gemm, triton_routing
 from moecompile.kernels import reference as R
 from moecompile.runtime import choices, graphs
 from moecompile.runtime import cuda as C
@@ -70,6 +71,50 @@ def test_cuda_layer_matches_float32_reference(activation, gated, bias, capacity_
     assert int(offsets[-1]) == kept
     if capacity_factor == 0:
         assert kept == tokens * k
+
+
+needs_quack = pytest.mark.skipif(not (torch.cuda.is_available() and quack_gemm.available(torch.device(DEVICE))),
+                                 reason="QuACK (the quack extra) is not installed or this GPU is not Hopper")
+
+
+def _reference_layer(x, ids, weights, e, w_in, b_in, w_out, b_out, activation, gated):
+    rows, order, offsets = R.dispatch(x.float(), ids, e)
+    y = R.experts(rows, offsets, *[None if t is None else t.float() for t in (w_in, b_in, w_out, b_out)], activation,
+                  gated)
+    return R.combine(y, order, weights)
+
+
+@needs_quack
+@pytest.mark.parametrize("activation,gated,bias", [("silu", True, False), ("silu", True, True),
+                                                   ("gelu_tanh", False, True), ("relu", True, False)])
+@pytest.mark.parametrize("case", ["random", "one_expert", "empty_experts", "k_equals_e", "dropped", "odd_tokens"])
+def test_quack_expert_gemms_match_float32_reference(activation, gated, bias, case, monkeypatch):
+    """QuACK's varlen GEMMs on dispatched rows (runtime choice "quack") and with gathered first-projection rows."""
+    monkeypatch.setattr(choices, "FFN_IN", "quack")
+    monkeypatch.setattr(choices, "FFN_OUT", "quack")
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    tokens, e, k, h, i = {"odd_tokens": 333, "k_equals_e": 200}.get(case, 1000), 8, 2, 256, 384
+    k = e if case == "k_equals_e" else k
+    w_in, b_in, w_out, b_out = _bf16(*_weights(e, h, i, gated, bias, gen))
+    x = torch.randn(tokens, h, generator=gen, device=DEVICE).bfloat16()
+    logits = torch.randn(tokens, e, generator=gen, device=DEVICE)
+    if case == "one_expert":
+        logits[:, 3] += 100.0
+        k = 1
+    if case == "empty_experts":
+        logits[:, 4:] -= 100.0
+    weights, ids = ops.route(logits, k, 1.0 if case == "dropped" else 0.0, True)
+    assert C._projection_kernels(x, w_in, w_out, activation, gated) == ("quack", "quack")
+    ref = _reference_layer(x, ids, weights, e, w_in, b_in, w_out, b_out, activation, gated)
+    rows, order, offsets = ops.dispatch(x, ids, e)
+    out = C.combine(C.experts(rows, offsets, w_in, b_in, w_out, b_out, activation, gated), order, weights)
+    assert _rel(out, ref) <= 1e-2
+    _, gather_order, gather_offsets = triton_routing.dispatch(x, ids, e, copy_rows=False)
+    cu = quack_gemm.group_starts(gather_offsets)
+    a = quack_gemm.first_projection(x, cu, w_in, b_in, activation, gated,
+                                    gather_rows=(gather_order // k).to(torch.int32))
+    out = C.combine(quack_gemm.second_projection(a, cu, w_out, b_out), gather_order, weights)
+    assert _rel(out, ref) <= 1e-2
 
 
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])

@@ -67,6 +67,8 @@ def _check_dispatch(x, ids, experts):
     bits = (lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)  # (no torch.equal for FP8)
     for name, g, w in zip(("rows", "order", "offsets"), got, want):
         assert g.dtype == w.dtype and torch.equal(bits(g), bits(w)), name
+    rows, order, offsets = TR.dispatch(x, ids, experts, copy_rows=False)  # rank only: for GEMMs that gather rows
+    assert rows is None and torch.equal(order, want[1]) and torch.equal(offsets, want[2])
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(37, 8, 2), (60, 128, 8), (9, 6, 6), (13, 5, 1), (1, 8, 2),

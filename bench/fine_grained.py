@@ -1,0 +1,293 @@
+"""Fine-grained MoE layers (many small experts, top-8) on one GPU: moecompile's expert GEMM kernels against SonicMoE,
+vLLM's fused_moe and a dense cuBLAS GEMM of the same FLOPs, in one run.
+
+    python bench/fine_grained.py --out $OUT/fine-grained.md       # on the device; peers where installed / carried
+
+Every layer is SwiGLU, bf16, dropless, renormalised softmax top-k, the same weights and tokens for all. Rows:
+- dense: torch.mm over T*k rows with the layer's two projections (same FLOPs, no routing): the ceiling's stand-in.
+- bare grouped_mm: the two torch._grouped_mm GEMMs alone on perfectly balanced groups.
+- GEMMs <kernel>: the two expert GEMMs alone on the layer's real routing (rows already in expert order).
+- ours <first>+<second>: the whole moecompile layer (MoEBlock: router, top-k, dispatch, GEMMs, combine) with
+  those expert GEMM kernels, from a CUDA graph; and eager (as SonicMoE runs).
+- ours gathered quack: route + a rank-only dispatch (no row copy) + QuACK's first projection gathering its rows from
+  the token matrix + QuACK's second + moecompile's combine, from a CUDA graph.
+- SonicMoE: its MoE module (CuTe DSL through QuACK), eager, inference mode; fwd+bwd in training mode.
+- vLLM: its fused_moe Triton kernel (bench/peers/vllm_fused_moe.py; carry .peers/), GEMMs alone and layer.
+Training (forward + backward): ours (MoEBlock autograd) / HF grouped_mm (MixtralSparseMoeBlock) / SonicMoE, eager.
+Correctness: relative Frobenius error of each layer against a float32 reference on the same bf16 inputs.
+Each shape's rows are printed as soon as they are measured (a run cut short keeps what it finished).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe_layer  # noqa: E402  (this folder's shared helpers: build, reference, bare GEMMs, vLLM peer)
+
+SHAPES = {  # name: (d, f, E, k, tokens), in the order a run cut short should keep them
+    "qwen3-moe": (2048, 768, 128, 8, 8192),
+    "sonic-7b": (1536, 256, 128, 8, 24576),
+    "deepseek-v3": (7168, 2048, 256, 8, 4096),
+    "sonic-30b": (4096, 512, 128, 8, 32768),
+    "mixtral": (4096, 14336, 8, 2, 4096),
+    "gpt2-upcycled": (768, 3072, 16, 2, 16384),
+}
+GEMM_KERNELS = ("triton_persistent", "grouped_mm", "quack")
+TRAIN_SHAPES = ("qwen3-moe",)
+
+bench = moe_layer.bench
+
+
+def graph_bench(fn) -> float:
+    from moecompile.runtime import graphs
+
+    graph, _ = graphs.capture(fn)
+    return bench(graph.replay)
+
+
+def attempt(label, fn, notes):
+    """fn() or None; a failing peer or variant is noted with its error instead of ending the run."""
+    try:
+        return fn()
+    except Exception as e:  # a peer that cannot run here is a row of the table, not a crash
+        notes.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        traceback.print_exc()
+        return None
+
+
+def dense_time(d, f, rows):
+    x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(rows, f, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(d, 2 * f, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.randn(f, d, device="cuda", dtype=torch.bfloat16)
+    return bench(lambda: (torch.mm(x, w1), torch.mm(a, w2)))
+
+
+def routing(ours, x2, k):
+    from moecompile.ir import ops
+
+    weights, ids = ops.route(x2.float() @ ours.router.weight.float().t(), k, 0.0, True)
+    return weights, ids
+
+
+def gemm_times(ours, x2, ids, notes):
+    """The two expert GEMMs alone on the real routing, per kernel (rows already dispatched)."""
+    from moecompile.kernels import triton_routing
+    from moecompile.runtime import choices, cuda
+
+    rows, _, offsets = triton_routing.dispatch(x2, ids, ours.config.num_experts)
+    w_in, w_out = ours.experts.w_in, ours.experts.w_out
+    times = {}
+    for kernel in GEMM_KERNELS:
+        def run(kernel=kernel):
+            choices.FFN_IN = choices.FFN_OUT = kernel
+            first, second = cuda._projection_kernels(rows, w_in, w_out, "silu", True)
+            if (first, second) != (kernel, kernel):
+                raise RuntimeError(f"{kernel} not supported here: ran {first} + {second}")
+            return graph_bench(lambda: cuda.experts(rows, offsets, w_in, None, w_out, None, "silu", True))
+        times[kernel] = attempt(f"GEMMs {kernel}", run, notes)
+    choices.FFN_IN = choices.FFN_OUT = "auto"
+    return times
+
+
+def gathered_quack(ours, x2, k, interleaved):
+    """(ms, output): the layer with QuACK's first projection gathering rows (no dispatch copy); interleaved: W_in's
+    gate and up rows alternating (SonicMoE's layout, converted once here) instead of gate rows first."""
+    from moecompile.kernels import quack_gemm, reference, triton_moe, triton_routing
+
+    w_in, w_out, e = ours.experts.w_in, ours.experts.w_out, ours.config.num_experts
+    if interleaved:
+        w_in = torch.stack(w_in.chunk(2, dim=1), dim=2).flatten(1, 2)
+
+    def layer():
+        logits = reference.router_logits(x2, ours.router.weight, None, True)
+        weights, ids = triton_routing.topk(logits, k, True)
+        _, order, offsets = triton_routing.dispatch(x2, ids, e, copy_rows=False)
+        cu = quack_gemm.group_starts(offsets)
+        a = quack_gemm.first_projection(x2, cu, w_in, None, "silu", True,
+                                        gather_rows=(order // k).to(torch.int32), interleaved=interleaved)
+        return triton_moe.combine(quack_gemm.second_projection(a, cu, w_out, None), order, weights)
+
+    out = layer()
+    return graph_bench(layer), out
+
+
+def sonic_module(ours, d, f, e, k):
+    from sonicmoe import MoE
+    from sonicmoe.enums import ActivationType
+
+    sonic = MoE(e, k, d, f, ActivationType.SWIGLU, add_bias=False, std=0.02).to("cuda", torch.bfloat16)
+    with torch.no_grad():  # same weights; SonicMoE's SwiGLU reads gate / up from interleaved rows
+        gate, up = ours.experts.w_in.chunk(2, dim=1)
+        sonic.c_fc.weight.copy_(torch.stack((gate, up), dim=2).flatten(1, 2))
+        sonic.c_proj.weight.copy_(ours.experts.w_out)
+        sonic.router.weight.copy_(ours.router.weight)
+    return sonic
+
+
+def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm):
+    from moecompile.runtime import choices
+
+    ours, hf = moe_layer.build(d, f, e, k)
+    x = torch.randn(1, tokens, d, device="cuda", dtype=torch.bfloat16)
+    x2 = x.reshape(-1, d)
+    r = {}
+    with torch.no_grad():
+        ref = moe_layer.reference_fp32(ours, x, 0.0).reshape(x2.shape)
+        _, ids = routing(ours, x2, k)
+        r["dense"] = dense_time(d, f, tokens * k)
+        r["bare"] = moe_layer.bare_grouped_gemms(d, f, e, k, tokens)
+        r.update({f"gemms {kk}": v for kk, v in gemm_times(ours, x2, ids, notes).items()})
+        errs = {}
+        for kernel in ("auto", "quack"):
+            choices.FFN_IN = choices.FFN_OUT = kernel
+            errs[kernel] = attempt(f"ours {kernel}", lambda: moe_layer.rel(ours(x).reshape(x2.shape), ref), notes)
+            r[f"ours {kernel}"] = attempt(f"ours {kernel} graph", lambda: graph_bench(lambda: ours(x)), notes)
+        r["ours auto eager"] = attempt("ours auto eager", lambda: bench(lambda: ours(x)), notes)
+        choices.FFN_IN = choices.FFN_OUT = "auto"
+        for label, interleaved in (("gathered", False), ("gathered interleaved", True)):
+            g = attempt(f"ours {label} quack", lambda: gathered_quack(ours, x2, k, interleaved), notes)
+            if g is not None:
+                r[f"ours {label} quack"], errs[label] = g[0], moe_layer.rel(g[1], ref)
+        sonic = attempt("SonicMoE build", lambda: sonic_module(ours, d, f, e, k), notes)
+        if sonic is not None:
+            sonic.eval()
+            so = attempt("SonicMoE forward", lambda: sonic(x, is_inference_mode=True)[0], notes)
+            if so is not None:
+                errs["sonic"] = moe_layer.rel(so.reshape(x2.shape), ref)
+                r["sonic"] = bench(lambda: sonic(x, is_inference_mode=True))
+        if vllm:
+            from peers import vllm_fused_moe as vp
+
+            def vllm_times():
+                weights, ids_ = routing(ours, x2, k)
+                peer = vp.prepare(x2, ours.experts.w_in, ours.experts.w_out, weights.to(x.dtype), ids_)
+                errs["vllm"] = moe_layer.rel(peer.layer(), ref)
+                return bench(vp.cuda_graph(peer.gemms)), bench(vp.cuda_graph(peer.layer))
+            v = attempt("vLLM", vllm_times, notes)
+            if v is not None:
+                r["vllm gemms"], r["vllm layer"] = v
+    flops = 6 * tokens * k * d * f
+    ours_best = min(t for t in (r.get("ours auto"), r.get("ours quack"), r.get("ours gathered quack"),
+                                r.get("ours gathered interleaved quack")) if t is not None)
+    peers = {p: r.get(p) for p in ("sonic", "vllm gemms", "vllm layer")}
+
+    def fmt(v, digits=3):
+        return "—" if v is None else f"{v:.{digits}f}"
+
+    def share(v):
+        return "—" if v is None else f"{flops / (v * 1e-3) / 1e12:.0f} ({r['dense'] / v * 100:.0f}%)"
+
+    line = (f"| {name} | {d}, {f}, {e}, {k}, {tokens} | {fmt(r['dense'])} | {fmt(r['bare'])} ("
+            f"{r['dense'] / r['bare'] * 100:.0f}%) | " +
+            " | ".join(f"{fmt(r.get(f'gemms {kk}'))} ({share(r.get(f'gemms {kk}'))})" for kk in GEMM_KERNELS) +
+            f" | {fmt(r.get('ours auto'))} | {fmt(r.get('ours quack'))} | {fmt(r.get('ours gathered quack'))} | "
+            f"{fmt(r.get('ours gathered interleaved quack'))} | {fmt(r.get('ours auto eager'))}"
+            f" | {fmt(peers['sonic'])} | {fmt(peers['vllm gemms'])} | {fmt(peers['vllm layer'])} | "
+            f"{share(ours_best)} | " + ", ".join(f"{kk} {v:.1e}" for kk, v in errs.items() if v is not None) + " |")
+    out_lines.append(line)
+    print(line, flush=True)
+    if name in TRAIN_SHAPES:
+        train_lines.append(train_row(name, ours, hf, sonic, x, notes))
+        print(train_lines[-1], flush=True)
+    ours = hf = sonic = None  # frees the device memory before the next shape
+    torch.cuda.empty_cache()
+
+
+def train_row(name, ours, hf, sonic, x, notes):
+    from moecompile.runtime import choices
+
+    xg = x.clone().requires_grad_()
+    grad = torch.randn_like(x)
+
+    def step(block, call):
+        block.zero_grad(set_to_none=True)
+        xg.grad = None
+        call(block).backward(grad)
+
+    times = {}
+    for label, block, call, kernel in (
+            ("ours", ours, lambda b: b(xg), "auto"), ("ours quack", ours, lambda b: b(xg), "quack"),
+            ("HF grouped_mm", hf, lambda b: b(xg), "auto"),
+            ("SonicMoE", sonic, lambda b: b(xg)[0], "auto")):
+        if block is None:
+            continue
+        block.train()
+        choices.FFN_IN = choices.FFN_OUT = kernel
+        times[label] = attempt(f"train {label}", lambda: bench(lambda: step(block, call)), notes)
+    choices.FFN_IN = choices.FFN_OUT = "auto"
+    return f"| {name} | " + " | ".join("—" if times.get(c) is None else f"{times[c]:.3f}"
+                                       for c in ("ours", "ours quack", "HF grouped_mm", "SonicMoE")) + " |"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--vllm", action="store_true", help="vLLM's fused_moe as a peer (carry .peers/)")
+    p.add_argument("--commit", default=None, help="the commit for the header where git is absent")
+    a = p.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    start = time.time()
+    commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip()
+    versions = []
+    for mod in ("sonicmoe", "quack", "cutlass"):
+        try:
+            versions.append(f"{mod} {__import__(mod).__version__}")
+        except Exception as e:
+            versions.append(f"{mod} absent ({type(e).__name__})")
+    header = [
+        "# Fine-grained MoE layers: moecompile vs SonicMoE vs vLLM vs dense cuBLAS",
+        "",
+        f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
+        f"{', '.join(versions)}, python {platform.python_version()}. Commit {commit}. "
+        f"Command: `python bench/{' '.join(['fine_grained.py'] + sys.argv[1:])}`.",
+        "Forward, bf16, dropless, median ms (triton do_bench). dense = torch.mm of the same FLOPs; bare = "
+        "torch._grouped_mm on balanced groups; GEMMs = the two expert GEMMs alone on the real routing (TF/s and share "
+        "of dense in brackets); ours = the whole moecompile layer from a CUDA graph with auto (the tuned Triton "
+        "kernels) / quack expert GEMMs; gathered = QuACK's first projection reading token rows directly (W_in as "
+        "stored, or gate / up rows interleaved as SonicMoE stores them); eager = without CUDA graphs; SonicMoE "
+        "eager, inference mode; vLLM from CUDA graphs. best = ours' fastest layer time as TF/s (share of dense). "
+        "err: relative error vs a float32 reference.",
+        "",
+        "| shape | d, f, E, k, tokens | dense | bare grouped_mm | " +
+        " | ".join(f"GEMMs {kk}" for kk in GEMM_KERNELS) +
+        " | ours auto | ours quack | ours gathered quack | ours gathered interleaved quack | ours auto eager | "
+        "SonicMoE | vLLM GEMMs | vLLM layer | ours best TF/s | err |",
+        "|---|---|" + "---|" * (15 + len(GEMM_KERNELS) - 3),
+    ]
+    out_lines, train_lines, notes = [], [], []
+
+    def write():
+        text = header + out_lines
+        if train_lines:
+            text += ["", "Training step (forward + backward, eager, gradients set to None first), median ms:", "",
+                     "| shape | ours | ours quack | HF grouped_mm | SonicMoE |", "|---|---|---|---|---|",
+                     *train_lines]
+        if notes:
+            text += ["", "Notes (what failed to run):", "", *[f"- {n}" for n in notes]]
+        text += ["", f"Total {time.time() - start:.0f} s."]
+        if a.out:
+            with open(a.out, "w") as fh:
+                fh.write("\n".join(text) + "\n")
+        return text
+
+    for name in a.shapes.split(","):
+        run_shape(name, *SHAPES[name], out_lines, train_lines, notes, a.vllm)
+        write()
+    print("\n".join(write()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Expert GEMMs on QuACK (CuTe DSL kernels for Hopper: TMA, wgmma, warp-specialised persistent tiles), the optional
+`quack` extra. Both projections are QuACK's varlen-M grouped GEMMs over rows in expert order (the group ends come
+from the device as a cumulative table, so no host synchronisation); the first takes its activation (gated or not)
+in the epilogue and can gather its A rows straight from the token matrix (`gather_rows`: no permuted copy written).
+
+Leaf module: torch and, lazily, quack. `supported` says whether a call can run here; callers fall back otherwise.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# (our activation, gated) -> QuACK's epilogue activation; QuACK's GELUs are the tanh approximation
+ACTIVATIONS = {("silu", True): "swiglu", ("gelu_tanh", True): "geglu", ("relu", True): "reglu",
+               ("gelu_tanh", False): "gelu_tanh_approx", ("relu", False): "relu"}
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _quack():
+    try:
+        from quack import gemm_interface
+    except Exception:  # not installed, or its CuTe DSL runtime does not load on this machine
+        return None
+    return gemm_interface
+
+
+def available(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and _quack() is not None
+
+
+def supported(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, activation: str | None, gated: bool) -> bool:
+    """Hopper, QuACK importable, bf16/fp16 operands, 16-byte aligned rows (TMA), an activation it has."""
+    dims = (x.shape[1], w_in.shape[1], w_out.shape[1], w_out.shape[2])
+    return (x.dtype in DTYPES and w_in.dtype == x.dtype and w_out.dtype == x.dtype
+            and all(n * x.element_size() % 16 == 0 for n in dims)
+            and (activation is None or (activation, gated) in ACTIVATIONS) and available(x.device))
+
+
+def group_starts(offsets: torch.Tensor) -> torch.Tensor:
+    """QuACK's cu_seqlens_m ([E + 1] int32, from 0) from moecompile's offsets (the E cumulative group ends)."""
+    return torch.nn.functional.pad(offsets.to(torch.int32), (1, 0))
+
+
+def first_projection(x: torch.Tensor, cu_seqlens: torch.Tensor, w_in: torch.Tensor, b_in, activation: str,
+                     gated: bool, gather_rows: torch.Tensor | None = None, interleaved: bool = False) -> torch.Tensor:
+    """act(x[r] W_in[e]^T + b_in[e]) for the rows r of each expert e's group (gated: act(gate) * up, W_in's gate rows
+    first, or alternating gate / up rows when interleaved). With gather_rows (int32, one per output row) row r reads
+    x[gather_rows[r]] instead of x[r]. Output rows past the last group are left unwritten."""
+    rows = gather_rows.shape[0] if gather_rows is not None else x.shape[0]
+    width = w_in.shape[1] // 2 if gated else w_in.shape[1]
+    out = x.new_empty(rows, width)
+    if rows == 0:
+        return out
+    # QuACK sizes its varlen schedule from the pre-activation output unless it gathers: without a gather it is written
+    preact = None if gather_rows is not None else x.new_empty(rows, w_in.shape[1])
+    _quack().gemm_act(x, w_in.transpose(1, 2), bias=b_in, activation=ACTIVATIONS[(activation, gated)],
+                      preact_out=preact, postact_out=out, cu_seqlens_m=cu_seqlens, A_idx=gather_rows,
+                      store_preact=preact is not None,
+                      concat_layout=(("B", "bias") if b_in is not None else ("B",)) if gated and not interleaved
+                      else None)
+    return out
+
+
+def second_projection(a: torch.Tensor, cu_seqlens: torch.Tensor, w_out: torch.Tensor, b_out) -> torch.Tensor:
+    """a[r] W_out[e]^T + b_out[e] over each expert's group of rows; rows past the last group left unwritten."""
+    out = a.new_empty(a.shape[0], w_out.shape[1])
+    if a.shape[0] == 0:
+        return out
+    _quack().gemm(a, w_out.transpose(1, 2), out=out, bias=b_out, cu_seqlens_m=cu_seqlens)
+    return out
