@@ -456,3 +456,34 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
     return per_model[key](input_ids, max_new_tokens, attention_mask, sampling=sampling_of(config, seed),
                           eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, streamer=streamer,
                           read_every=read_every)
+
+
+# what HF's generate hands a custom_generate callable that moecompile's step implements (from the GenerationConfig)
+HF_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+                 "MaxLengthCriteria", "EosTokenCriteria")
+
+
+def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
+                    generation_config=None, *, seed: int | None = None, read_every: int = READ_EVERY,
+                    compile: bool = True, cuda_graph: bool | None = None, options: dict | None = None,
+                    **model_kwargs) -> torch.Tensor:
+    """moecompile.generate's loop behind HF's own generate:
+
+        model.generate(input_ids, custom_generate=moecompile.generation.custom_generate, max_new_tokens=64, ...)
+
+    HF prepares the GenerationConfig, its logits processors and stopping criteria, then calls this in place of its
+    decoding loop; seed, read_every, compile, cuda_graph and options pass through HF's keyword arguments. Logits
+    processors or stopping criteria beyond those the GenerationConfig makes, and a cache of the caller's, are
+    refused. HF keeps the streamer from custom_generate callables (it gets the prompt only): stream with
+    moecompile.generate."""
+    others = sorted({type(p).__name__ for p in [*(logits_processor or ()), *(stopping_criteria or ())]}
+                    - set(HF_PROCESSORS))
+    if others:
+        raise MoECompileError(f"custom_generate does not implement the logits processors or stopping criteria "
+                              f"{', '.join(others)}")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if getattr(cache, "_is_user_defined", False):
+        raise MoECompileError("custom_generate keeps its own cache: generate without past_key_values / cache")
+    return generate(model, input_ids, generation_config.max_length - input_ids.shape[1],
+                    attention_mask=model_kwargs.get("attention_mask"), generation_config=generation_config,
+                    seed=seed, read_every=read_every, compile=compile, cuda_graph=cuda_graph, options=options)

@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from moecompile.errors import MoECompileError
-from moecompile.generation import Generator, generate, greedy_token, static_cache
+from moecompile.generation import Generator, custom_generate, generate, greedy_token, static_cache
 
 NEW = 5
 NO_EOS = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -214,6 +214,27 @@ def test_the_models_own_unsupported_settings_are_refused():
     with pytest.raises(MoECompileError, match="repetition_penalty=1.1"):
         generate(model, token_ids(batch=1, length=4), 2, compile=False)
     assert generate(model, token_ids(batch=1, length=4), 2, compile=False, repetition_penalty=1.0).shape == (1, 6)
+
+
+def test_hf_generate_reaches_the_loop_through_custom_generate():
+    """model.generate(..., custom_generate=custom_generate): HF's greedy tokens for left-padded prompts, the tokens
+    of moecompile.generate with the same seed when sampling (seed and compile pass through HF's keywords); a
+    logits processor of the caller's, which the step does not implement, is refused."""
+    from transformers import InfNanRemoveLogitsProcessor, LogitsProcessorList
+
+    model = tiny_moe("tiny-mixtral")
+    ids = token_ids(batch=2, length=6)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    assert torch.equal(model.generate(ids, attention_mask=mask, custom_generate=custom_generate, compile=False,
+                                      max_new_tokens=NEW, **NO_EOS),
+                       model.generate(ids, attention_mask=mask, max_new_tokens=NEW, **NO_EOS))
+    sample = dict(max_new_tokens=NEW, do_sample=True, top_k=4, seed=3, compile=False)
+    assert torch.equal(model.generate(ids, custom_generate=custom_generate, **sample),
+                       generate(model, ids, **sample))
+    with pytest.raises(MoECompileError, match="InfNanRemoveLogitsProcessor"):
+        model.generate(ids, custom_generate=custom_generate, compile=False,
+                       logits_processor=LogitsProcessorList([InfNanRemoveLogitsProcessor()]))
 
 
 def test_bad_arguments_are_one_line_errors():
