@@ -233,7 +233,7 @@ def test_hf_generate_reaches_the_loop_through_custom_generate():
     assert torch.equal(model.generate(ids, custom_generate=custom_generate, **sample),
                        generate(model, ids, **sample))
     with pytest.raises(MoECompileError, match="InfNanRemoveLogitsProcessor"):
-        model.generate(ids, custom_generate=custom_generate, compile=False,
+        model.generate(ids, custom_generate=custom_generate, compile=False, max_new_tokens=NEW,
                        logits_processor=LogitsProcessorList([InfNanRemoveLogitsProcessor()]))
 
 
