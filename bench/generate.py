@@ -8,6 +8,8 @@ Modes, all in one run:
   hf-moecompile      the same with backend="moecompile"
   moecompile         moecompile.generate: compiled prefill, the whole decode step (layers, logits, token choice)
                      one CUDA graph, replayed with no host synchronisation per token
+  hf-custom-generate HF generate with custom_generate=moecompile.generation.custom_generate: HF's preparation, then
+                     moecompile.generate's loop (not in the default list; cos is not measured)
   moecompile-unfused the same without the fuse_projections pass (not in the default list: what that pass gives)
   moecompile-sorted  the same without the direct_experts pass: the sorted experts at decode (not in the default list)
   moecompile-repeat-kv the same without the gqa_attention pass: HF's repeated key/value heads (not in the default list)
@@ -37,7 +39,7 @@ import torch
 import transformers
 from compile import instantiate  # bench/compile.py, beside this script: the same random HF models
 
-from moecompile.generation import Generator, Sampling
+from moecompile.generation import Generator, Sampling, custom_generate
 
 MODELS = {  # name: (config class, model class, layers, sizes) - per-layer sizes of the published models
     "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 8, dict(
@@ -56,6 +58,7 @@ TINY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, n
             num_key_value_heads=2, head_dim=64, vocab_size=1024, q_lora_rank=64, kv_lora_rank=32,
             qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
 MODES = ("hf-eager", "hf-experts-mc", "hf-inductor", "hf-moecompile", "moecompile")
+OTHER_MODES = ("hf-custom-generate",)
 GENERATOR_OPTIONS = {"moecompile": None, "moecompile-unfused": {"fuse_projections": False},
                      "moecompile-sorted": {"direct_experts": False}, "moecompile-repeat-kv": {"gqa_attention": False},
                      "moecompile-gemm": {"decode_matvec": False}}
@@ -186,6 +189,23 @@ def moecompile_mode(model, ids, new: int, device: str, reps: int, reference, pro
     return prefill, statistics.median(decode), tokens, cosine, report
 
 
+def custom_generate_mode(model, ids, new: int, device: str, reps: int, sampling: Sampling | None = None):
+    """(prefill s, decode s per step, tokens) of HF generate running moecompile's loop through custom_generate."""
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    if sampling is not None:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                      seed=sampling.seed)
+
+    def run(n):
+        return model.generate(ids, max_new_tokens=n, custom_generate=custom_generate, **kwargs)
+
+    tokens = run(new)  # compile prefill and step, capture the step
+    run(1)
+    prefill = timed(lambda: run(1), device, reps)
+    total = timed(lambda: run(new), device, reps)
+    return prefill, (total - prefill) / (new - 1), tokens
+
+
 def profile_step(gen: Generator, ids, sampling: Sampling | None = None, steps: int = 4) -> str:
     """Kernel time of the compiled decode step run uncaptured (the same kernels the graph replays), top kernels."""
     from torch.profiler import ProfilerActivity, profile
@@ -231,7 +251,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     modes = args.modes.split(",")
     sampling = Sampling(top_k=50, top_p=0.9, seed=0) if args.sample else None
-    unknown = set(modes) - set(MODES) - set(GENERATOR_OPTIONS)
+    unknown = set(modes) - set(MODES) - set(OTHER_MODES) - set(GENERATOR_OPTIONS)
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}")
     bandwidth = copy_bandwidth(device)
@@ -264,6 +284,10 @@ def main(argv=None) -> int:
                             GENERATOR_OPTIONS[mode], sampling)
                         if report:
                             profiles.append(f"{name}, batch {batch}, {mode}:\n{report}")
+                    elif mode == "hf-custom-generate":
+                        prefill, decode, tokens = custom_generate_mode(model, ids, args.new, device, args.reps,
+                                                                       sampling)
+                        cosine = float("nan")
                     else:
                         prefill, decode, tokens, cosine, out = hf_mode(model, mode, ids, args.new, device, args.reps,
                                                                        reference, sampling)
