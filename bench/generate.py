@@ -8,6 +8,8 @@ Modes, all in one run:
   hf-moecompile      the same with backend="moecompile"
   moecompile         moecompile.generate: compiled prefill, the whole decode step (layers, logits, token choice)
                      one CUDA graph, replayed with no host synchronisation per token
+  hf-custom-generate HF generate with custom_generate=moecompile.generation.custom_generate: HF's preparation, then
+                     moecompile.generate's loop (not in the default list; cos is not measured)
   moecompile-unfused the same without the fuse_projections pass (not in the default list: what that pass gives)
   moecompile-sorted  the same without the direct_experts pass: the sorted experts at decode (not in the default list)
   moecompile-repeat-kv the same without the gqa_attention pass: HF's repeated key/value heads (not in the default list)
@@ -20,6 +22,9 @@ tokens that agree with HF eager's before the first difference (bf16 near-ties ma
 
   python bench/generate.py --out bench/results/gpu-generate.md                      # the H200 run
   python bench/generate.py --tiny --models mixtral-8x7b --batches 1 --new 8         # a quick smoke run
+  python bench/generate.py --sample --modes hf-inductor,moecompile                  # sampled: top-k 50, top-p 0.9
+With --sample every mode samples (HF's generate from its global generator, moecompile's from its seeded one), so the
+agree column counts tokens that match by chance.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ import torch
 import transformers
 from compile import instantiate  # bench/compile.py, beside this script: the same random HF models
 
-from moecompile.generation import Generator
+from moecompile.generation import Generator, Sampling, custom_generate
 
 MODELS = {  # name: (config class, model class, layers, sizes) - per-layer sizes of the published models
     "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 8, dict(
@@ -53,6 +58,7 @@ TINY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, n
             num_key_value_heads=2, head_dim=64, vocab_size=1024, q_lora_rank=64, kv_lora_rank=32,
             qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
 MODES = ("hf-eager", "hf-experts-mc", "hf-inductor", "hf-moecompile", "moecompile")
+OTHER_MODES = ("hf-custom-generate",)
 GENERATOR_OPTIONS = {"moecompile": None, "moecompile-unfused": {"fuse_projections": False},
                      "moecompile-sorted": {"direct_experts": False}, "moecompile-repeat-kv": {"gqa_attention": False},
                      "moecompile-gemm": {"decode_matvec": False}}
@@ -135,11 +141,13 @@ def cos(a, b) -> float:
     return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
 
 
-def hf_mode(model, mode: str, ids, new: int, device: str, reps: int, reference):
+def hf_mode(model, mode: str, ids, new: int, device: str, reps: int, reference, sampling: Sampling | None = None):
     """(prefill s, decode s per step, tokens, cosine) of HF generate in one of the hf-* modes."""
     from transformers import CompileConfig, StaticCache
 
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    if sampling is not None:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     step = 0
     model.set_experts_implementation("moecompile" if mode == "hf-experts-mc" else "grouped_mm")
     if mode in ("hf-inductor", "hf-moecompile"):
@@ -167,24 +175,42 @@ def hf_mode(model, mode: str, ids, new: int, device: str, reps: int, reference):
     return prefill, (total - prefill) / (new - 1), out.sequences, cosine, out
 
 
-def moecompile_mode(model, ids, new: int, device: str, reps: int, reference, profile: bool, options=None):
+def moecompile_mode(model, ids, new: int, device: str, reps: int, reference, profile: bool, options=None,
+                    sampling: Sampling | None = None):
     gen = Generator(model, ids.shape[0], ids.shape[1] + new, options=options)
-    tokens = gen(ids, new)  # compile prefill and step, capture the step
+    tokens = gen(ids, new, sampling=sampling)  # compile prefill and step, capture the step
     cosine = float("nan") if reference is None else cos(gen.prefill_logits, reference.logits[0])
-    prefill = timed(lambda: gen.prefill(ids), device, reps)
+    prefill = timed(lambda: gen.prefill(ids, sampling=sampling), device, reps)
     decode = []
     for _ in range(reps):
-        gen.prefill(ids)
+        gen.prefill(ids, sampling=sampling)
         decode.append(timed(lambda: gen.decode(new - 1), device, 1) / (new - 1))
-    report = profile_step(gen, ids) if profile and device == "cuda" else None
+    report = profile_step(gen, ids, sampling) if profile and device == "cuda" else None
     return prefill, statistics.median(decode), tokens, cosine, report
 
 
-def profile_step(gen: Generator, ids, steps: int = 4) -> str:
+def custom_generate_mode(model, ids, new: int, device: str, reps: int, sampling: Sampling | None = None):
+    """(prefill s, decode s per step, tokens) of HF generate running moecompile's loop through custom_generate."""
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    if sampling is not None:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                      seed=sampling.seed)
+
+    def run(n):
+        return model.generate(ids, max_new_tokens=n, custom_generate=custom_generate, **kwargs)
+
+    tokens = run(new)  # compile prefill and step, capture the step
+    run(1)
+    prefill = timed(lambda: run(1), device, reps)
+    total = timed(lambda: run(new), device, reps)
+    return prefill, (total - prefill) / (new - 1), tokens
+
+
+def profile_step(gen: Generator, ids, sampling: Sampling | None = None, steps: int = 4) -> str:
     """Kernel time of the compiled decode step run uncaptured (the same kernels the graph replays), top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    gen.prefill(ids)
+    gen.prefill(ids, sampling=sampling)
     gen.cuda_graph = False
     try:
         gen.decode(2)
@@ -216,13 +242,16 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, help="layers of every model (default: each model's in MODELS)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--sample", action="store_true",
+                        help="sample (temperature 1, top-k 50, top-p 0.9) in every mode")
     parser.add_argument("--out")
     parser.add_argument("--commit", help="the commit to name in the header (default: git's HEAD)")
     args = parser.parse_args(argv)
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     modes = args.modes.split(",")
-    unknown = set(modes) - set(MODES) - set(GENERATOR_OPTIONS)
+    sampling = Sampling(top_k=50, top_p=0.9, seed=0) if args.sample else None
+    unknown = set(modes) - set(MODES) - set(OTHER_MODES) - set(GENERATOR_OPTIONS)
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}")
     bandwidth = copy_bandwidth(device)
@@ -233,7 +262,8 @@ def main(argv=None) -> int:
               f"(commit {commit or '?'})", "",
               f"Machine: {torch.cuda.get_device_name() if device == 'cuda' else platform.processor()}; torch "
               f"{torch.__version__}, transformers {transformers.__version__}; copy bandwidth "
-              f"{bandwidth / 1e12:.2f} TB/s. Prompt {args.prompt} tokens, {args.new} new tokens, greedy, "
+              f"{bandwidth / 1e12:.2f} TB/s. Prompt {args.prompt} tokens, {args.new} new tokens, "
+              f"{'sampled (top-k 50, top-p 0.9)' if sampling else 'greedy'}, "
               f"{str(dtype).replace('torch.', '')}, random weights; medians of {args.reps}.", "",
               "| model | batch | mode | prefill ms | decode ms/step | tokens/s | floor ms | x floor | cos | agree |",
               "|---|---|---|---|---|---|---|---|---|---|"]
@@ -251,12 +281,16 @@ def main(argv=None) -> int:
                     if mode in GENERATOR_OPTIONS:
                         prefill, decode, tokens, cosine, report = moecompile_mode(
                             model, ids, args.new, device, args.reps, reference, not args.no_profile and batch == 1,
-                            GENERATOR_OPTIONS[mode])
+                            GENERATOR_OPTIONS[mode], sampling)
                         if report:
                             profiles.append(f"{name}, batch {batch}, {mode}:\n{report}")
+                    elif mode == "hf-custom-generate":
+                        prefill, decode, tokens = custom_generate_mode(model, ids, args.new, device, args.reps,
+                                                                       sampling)
+                        cosine = float("nan")
                     else:
                         prefill, decode, tokens, cosine, out = hf_mode(model, mode, ids, args.new, device, args.reps,
-                                                                       reference)
+                                                                       reference, sampling)
                         if mode == "hf-eager":
                             reference, cosine = out, 1.0
                     matched = agree(tokens[:, args.prompt:], reference.sequences[:, args.prompt:]) \

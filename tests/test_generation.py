@@ -1,12 +1,15 @@
-"""Greedy decoding paths against HF's own eager generate, for every HF MoE family the backend recognises (float32,
-CPU): moecompile.generate (the compiled decode step; its CUDA graph is tested in test_gpu_generation.py), left-padded
-prompts, and HF's generate with the "moecompile" experts implementation."""
+"""Decoding paths against HF's own eager generate, for every HF MoE family the backend recognises (float32, CPU):
+moecompile.generate (the compiled decode step; its CUDA graph is tested in test_gpu_generation.py), left-padded
+prompts, HF's generate with the "moecompile" experts implementation; sampling with a seed, the end of sequence, the
+streamer and HF's GenerationConfig (the sampling function itself: test_sampling.py)."""
 import pytest
 import torch
 from hf_moe import FAMILIES, tiny_moe, token_ids
+from transformers import GenerationConfig
+from transformers.generation.streamers import BaseStreamer
 
 from moecompile.errors import MoECompileError
-from moecompile.generation import Generator, _stop_at_eos, generate, greedy_token, static_cache
+from moecompile.generation import Generator, custom_generate, generate, greedy_token, static_cache
 
 NEW = 5
 NO_EOS = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -105,12 +108,133 @@ def test_greedy_token_is_argmax(vocab, batch):
     assert torch.equal(greedy_token(torch.full((batch, vocab), float("-inf"))), torch.zeros(batch, 1, dtype=torch.long))
 
 
-def test_stop_at_eos_pads_like_hf():
-    tokens = torch.tensor([[9, 9, 3, 2, 4, 2], [9, 9, 2, 5, 6, 7], [9, 9, 5, 6, 2, 8]])
-    got = _stop_at_eos(tokens, 2, eos_token_id=[2, 7], pad_token_id=0)
-    # ends at the step where the last row ends; after its first end-of-sequence token a row holds the pad token
-    assert torch.equal(got, torch.tensor([[9, 9, 3, 2, 0], [9, 9, 2, 0, 0], [9, 9, 5, 6, 2]]))
-    assert torch.equal(_stop_at_eos(tokens, 2, None, None), tokens)
+def test_greedy_settings_and_one_candidate_sampling_give_hf_greedy():
+    """Temperature 0, do_sample off (whatever the temperature) and sampling from one candidate (top_k=1) all give
+    HF's greedy tokens."""
+    model = tiny_moe("tiny-qwen3-moe")
+    model.generation_config.eos_token_id = None
+    ids = token_ids(batch=2, length=6)
+    expected = _hf_greedy(model, ids)
+    for settings in [dict(do_sample=True, temperature=0.0), dict(do_sample=False, temperature=0.7),
+                     dict(do_sample=True, top_k=1, seed=5)]:
+        assert torch.equal(generate(model, ids, NEW, compile=False, **settings), expected), settings
+
+
+def test_a_seed_reproduces_sampled_tokens():
+    """The compiled step (its end-of-sequence padding included) samples the tokens the eager step samples with the
+    same seed; another seed gives other tokens; without a seed, torch.manual_seed makes the call reproducible."""
+    model = tiny_moe("tiny-mixtral")
+    ids = token_ids(batch=2, length=6)
+    sample = dict(do_sample=True, temperature=1.5, top_p=0.95, min_p=0.01, eos_token_id=[1, 2], pad_token_id=0)
+    compiled = generate(model, ids, 8, seed=7, options={"inductor": False}, **sample)
+    assert torch.equal(generate(model, ids, 8, seed=7, options={"inductor": False}, **sample), compiled)
+    assert torch.equal(generate(model, ids, 8, seed=7, compile=False, **sample), compiled)
+    assert not torch.equal(generate(model, ids, 8, seed=8, compile=False, **sample), compiled)
+    assert not torch.equal(compiled, model.generate(ids, max_new_tokens=8, **NO_EOS)[:, :compiled.shape[1]])
+    torch.manual_seed(0)
+    unseeded = generate(model, ids, 8, compile=False, **sample)
+    torch.manual_seed(0)
+    assert torch.equal(generate(model, ids, 8, compile=False, **sample), unseeded)
+
+
+def _eos_for_early_end(model, ids, new):
+    """End-of-sequence ids that end every row before `new` tokens: a token each row gives in its greedy output."""
+    greedy = model.generate(ids, max_new_tokens=new, **NO_EOS)[:, ids.shape[1]:]
+    return sorted({int(greedy[row, min(row + 1, new - 2)]) for row in range(ids.shape[0])})
+
+
+@pytest.mark.parametrize("read_every", [2, 16])
+def test_end_of_sequence_pads_rows_and_ends_like_hf(read_every):
+    model = tiny_moe("tiny-mixtral")
+    ids = token_ids(batch=3, length=6)
+    eos = _eos_for_early_end(model, ids, 10)
+    expected = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert expected.shape[1] < 6 + 10 and (expected == 0).any()  # every row ended early; some give the pad
+    got = generate(model, ids, 10, compile=False, eos_token_id=eos, pad_token_id=0, read_every=read_every)
+    assert torch.equal(got, expected)
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.blocks, self.ended = [], 0
+
+    def put(self, value):
+        self.blocks.append(value.clone())
+
+    def end(self):
+        self.ended += 1
+
+
+@pytest.mark.parametrize("eos", [True, False])
+def test_streamer_gets_the_prompt_then_exactly_the_new_tokens(eos):
+    """Sampled, stopping at the end of sequence or not: the streamer receives the prompt, then the new tokens in
+    blocks of at most read_every, then end() once; no block holds a token past the returned output."""
+    model = tiny_moe("tiny-mixtral")
+    ids = token_ids(batch=3, length=6)
+    settings = dict(eos_token_id=_eos_for_early_end(model, ids, 10), pad_token_id=0) if eos else \
+        dict(eos_token_id=None)
+    streamer = Recorder()
+    got = generate(model, ids, 10, streamer=streamer, read_every=3, do_sample=True, top_k=4, seed=1, compile=False,
+                   **settings)
+    assert streamer.ended == 1 and torch.equal(streamer.blocks[0], ids)
+    assert all(block.shape[0] == 3 and 1 <= block.shape[1] <= 3 for block in streamer.blocks[1:])
+    assert torch.equal(torch.cat(streamer.blocks[1:], 1), got[:, 6:])
+    assert got.shape[1] == 6 + 10 or eos
+
+
+def test_generation_config_and_overrides_like_hf():
+    """HF's GenerationConfig (length, greedy, end of sequence, pad) gives HF's tokens; keyword overrides win over
+    it; the model's generation_config fills what it leaves unset, as in HF (max_length 20 by default)."""
+    model = tiny_moe("tiny-qwen3-moe")
+    ids = token_ids(batch=2, length=6)
+    config = GenerationConfig(max_new_tokens=7, do_sample=False, eos_token_id=_eos_for_early_end(model, ids, 7),
+                              pad_token_id=3)
+    assert torch.equal(generate(model, ids, generation_config=config, compile=False),
+                       model.generate(ids, generation_config=config))
+    assert generate(model, ids, generation_config=config, compile=False, max_new_tokens=1,
+                    eos_token_id=None).shape == (2, 7)
+    model.generation_config.eos_token_id = None
+    assert generate(model, ids, compile=False).shape == (2, 20)
+
+
+@pytest.mark.parametrize("settings", [dict(num_beams=2), dict(repetition_penalty=1.2), dict(num_return_sequences=2),
+                                      dict(generation_config=GenerationConfig(no_repeat_ngram_size=2)),
+                                      dict(stop_strings=["x"]), dict(return_dict_in_generate=True),
+                                      dict(nonsense=1), dict(do_sample=True, top_p=0.0), dict(max_new_tokens=0)])
+def test_unsupported_generation_settings_are_one_line_errors(settings):
+    model = tiny_moe("tiny-mixtral")
+    with pytest.raises(MoECompileError) as error:
+        generate(model, token_ids(batch=1, length=4), compile=False, **settings)
+    assert "\n" not in str(error.value)
+
+
+def test_the_models_own_unsupported_settings_are_refused():
+    model = tiny_moe("tiny-mixtral")
+    model.generation_config.repetition_penalty = 1.1
+    with pytest.raises(MoECompileError, match="repetition_penalty=1.1"):
+        generate(model, token_ids(batch=1, length=4), 2, compile=False)
+    assert generate(model, token_ids(batch=1, length=4), 2, compile=False, repetition_penalty=1.0).shape == (1, 6)
+
+
+def test_hf_generate_reaches_the_loop_through_custom_generate():
+    """model.generate(..., custom_generate=custom_generate): HF's greedy tokens for left-padded prompts, the tokens
+    of moecompile.generate with the same seed when sampling (seed and compile pass through HF's keywords); a
+    logits processor of the caller's, which the step does not implement, is refused."""
+    from transformers import InfNanRemoveLogitsProcessor, LogitsProcessorList
+
+    model = tiny_moe("tiny-mixtral")
+    ids = token_ids(batch=2, length=6)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    assert torch.equal(model.generate(ids, attention_mask=mask, custom_generate=custom_generate, compile=False,
+                                      max_new_tokens=NEW, **NO_EOS),
+                       model.generate(ids, attention_mask=mask, max_new_tokens=NEW, **NO_EOS))
+    sample = dict(max_new_tokens=NEW, do_sample=True, top_k=4, seed=3, compile=False)
+    assert torch.equal(model.generate(ids, custom_generate=custom_generate, **sample),
+                       generate(model, ids, **sample))
+    with pytest.raises(MoECompileError, match="InfNanRemoveLogitsProcessor"):
+        model.generate(ids, custom_generate=custom_generate, compile=False, max_new_tokens=NEW,
+                       logits_processor=LogitsProcessorList([InfNanRemoveLogitsProcessor()]))
 
 
 def test_bad_arguments_are_one_line_errors():

@@ -1,12 +1,15 @@
 """Decoding on CUDA (marker gpu: run on the device with `pytest -m gpu`): CUDA-graph capture of the MoE layer at one
-token (the Mixtral batch-1 capture bug), moecompile.generate's captured decode step against HF eager, and HF's own
-generate with the moecompile backend under reduce-overhead, for every HF MoE family at batch 1 and 16."""
+token (the Mixtral batch-1 capture bug), moecompile.generate's captured decode step against HF eager, sampling and
+the end of sequence under CUDA-graph replay, and HF's own generate with the moecompile backend under
+reduce-overhead, for every HF MoE family at batch 1 and 16."""
+import dataclasses
+
 import pytest
 import torch
 from hf_moe import FAMILIES, tiny_moe, token_ids
 
 from moecompile import MoEBlock, MoEConfig
-from moecompile.generation import Generator
+from moecompile.generation import Generator, Sampling
 from moecompile.runtime import graphs
 
 pytestmark = pytest.mark.gpu
@@ -63,6 +66,37 @@ def test_generate_cuda_graph(family, batch):
     assert torch.equal(graphed[clear, 7], want.argmax(-1)[clear])
     gen.cuda_graph = False
     assert torch.equal(gen(ids, NEW), graphed)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 16])
+def test_sampling_with_a_seed_reproduces_under_cuda_graph_replay(family, batch):
+    """The sampled decode step captured with its generator: the call that captures (warm-up steps, then replays),
+    a call of replays only and the same step uncaptured give the same tokens for one seed, so every replay draws
+    the noise the uncaptured step draws (a generator the graph did not advance would repeat one draw); another seed
+    gives other tokens. Then the end of sequence: rows give the pad token after it, and the output is the
+    uncaptured one (rows that end change the others' batch, so which row ends where is not asserted)."""
+    model = _model(family, torch.bfloat16)
+    ids = token_ids(batch=batch, length=7).cuda()
+    gen = Generator(model, batch, 7 + NEW, options={"inductor": False})
+    sampling = Sampling(temperature=1.3, top_k=20, top_p=0.95, min_p=0.02, seed=11)
+    captured = gen(ids, NEW, sampling=sampling)
+    assert len(gen._graphs) == 1
+    assert torch.equal(gen(ids, NEW, sampling=sampling), captured)
+    gen.cuda_graph = False
+    assert torch.equal(gen(ids, NEW, sampling=sampling), captured)
+    gen.cuda_graph = True
+    assert not torch.equal(gen(ids, NEW, sampling=dataclasses.replace(sampling, seed=12)), captured)
+    eos = sorted(set(captured[:, 7 + NEW // 2].tolist()))  # most rows end by the middle
+    pad = min(set(range(len(eos) + 1)) - set(eos))
+    ended = gen(ids, NEW, sampling=sampling, eos_token_id=eos, pad_token_id=pad, read_every=2)
+    assert len(gen._graphs) == 2
+    new = ended[:, 7:]
+    is_eos = torch.isin(new, torch.tensor(eos, device=new.device))
+    after = (is_eos.cumsum(-1) - is_eos.long()) > 0
+    assert is_eos.any() and (new[after] == pad).all()
+    gen.cuda_graph = False
+    assert torch.equal(gen(ids, NEW, sampling=sampling, eos_token_id=eos, pad_token_id=pad), ended)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
