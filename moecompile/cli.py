@@ -288,7 +288,7 @@ def _convert_native(a, directory, out, start: float) -> int:
     if a.capacity_given:
         print(f"  transformers runs it dropless ({exact}); capacity factor {a.capacity_factor} is recorded in "
               "config.json and moecompile.compile applies it: its drops are not measured here (the streaming "
-              "conversion runs no probe; `moecompile inspect --routing` measures them)")
+              f"conversion runs no probe; `moecompile inspect --routing {out}` measures them)")
     else:
         print(f"  transformers and moecompile.compile run it dropless: {exact}")
     files = sorted(f for f in out.iterdir() if f.is_file())
@@ -426,24 +426,31 @@ def inspect_cmd(a) -> int:
         model = checkpoint.load(a.model, progress=progress)
         info = {"kind": "moe", "blocks": report.block_rows(model), **report.parameter_counts(model),
                 "routing": _probe_routing(model, a)}
-    elif probe:
-        raise MoECompileError(f"{a.model} is not a moecompile checkpoint: --routing and --plot measure the expert "
-                              "load of MoE blocks; convert the model first")
     else:
         model = models.load_source(a.model, random_init=a.random_init, progress=progress).model
-        found, skipped = find_dense_ffns(model)
-        info = {"kind": "dense", "ffns": [f.describe() for f in found], "skipped": skipped,
-                **report.parameter_counts(model)}
+        hf_blocks = report.hf_block_rows(model)  # a Hugging Face MoE model: native convert outputs included
+        if hf_blocks:
+            info = {"kind": "moe", "blocks": hf_blocks, **report.parameter_counts(model)}
+            if probe:
+                info["routing"] = _probe_routing(model, a)
+        elif probe:
+            raise MoECompileError(f"{a.model} has no MoE blocks: --routing and --plot measure the expert load of MoE "
+                                  "blocks; convert the model first")
+        else:
+            found, skipped = find_dense_ffns(model)
+            info = {"kind": "dense", "ffns": [f.describe() for f in found], "skipped": skipped,
+                    **report.parameter_counts(model)}
     if a.json:
         print(json.dumps(info, indent=2))
         return 0
     if info["kind"] == "moe":
         print(f"{a.model}: {len(info['blocks'])} MoE blocks")
         for b in info["blocks"]:
-            print(f"  {b['path']}: {b['method']}, {b['experts']} experts x {b['expert_size']} "
+            kind = f"{b['class']} ({b['method']})" if "class" in b else b["method"]
+            routing = f"capacity factor {b['capacity_factor']}" if b["capacity_factor"] else "dropless"
+            print(f"  {b['path']}: {kind}, {b['experts']} experts x {b['expert_size']} "
                   f"({b['activation']}{', gated' if b['gated'] else ''}{', fp8' if b['fp8'] else ''}), "
-                  f"top-{b['top_k']}, "
-                  f"capacity factor {b['capacity_factor']}, {report.human(b['params'])} params")
+                  f"top-{b['top_k']}, {routing}, {report.human(b['params'])} params")
     else:
         print(f"{a.model}: dense, {len(info['ffns'])} FFNs found")
         for line in info["ffns"]:
@@ -489,7 +496,10 @@ def _probe_routing(model, a) -> dict:
         seq = min(128, ids.shape[1])
         ids = ids[:, : ids.shape[1] // seq * seq].reshape(-1, seq)
         what = f"text from {Path(a.probe_text).name}"
-    stats, tokens = probe_routing(model, a.probe_tokens, a.seed, ids)
+    from moecompile import report
+
+    run_probe = report.hf_probe_routing if report.hf_moe_blocks(model) else probe_routing
+    stats, tokens = run_probe(model, a.probe_tokens, a.seed, ids)
     probe = f"{tokens} probe tokens ({what}{', seed %d' % a.seed if ids is None else ''})"
     out = {"probe": probe, "blocks": {path: {**s.summary(), "counts": s.counts.tolist(), "dropped": int(s.dropped)}
                                       for path, s in stats.items()}}
