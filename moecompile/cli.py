@@ -242,8 +242,9 @@ def convert(a) -> int:
           f"active per token {report.human(moe['active_per_token'])}")
     print(f"  output vs dense on {probe_args[0].numel()} probe tokens, dropless: max abs diff {exact_diff:.3g}")
     if a.capacity_given:
-        print(f"  capacity {a.capacity_factor}: drops {dropped:.1%} of the token-expert assignments on the probe batch, "
-              f"max abs diff {diff:.3g} (recorded in config.json: moecompile.load and moecompile.compile apply it)")
+        print(f"  capacity {a.capacity_factor}: drops {dropped:.1%} of the token-expert assignments on the probe "
+              f"batch, max abs diff {diff:.3g} (recorded in config.json: moecompile.load and moecompile.compile apply "
+              "it)")
     if a.fp8:
         print(f"  FP8 experts (float8_e4m3fn, 128x128 block scales): output vs unquantised, relative error "
               f"{fp8_err:.3g}")

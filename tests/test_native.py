@@ -324,10 +324,10 @@ def test_cli_writes_the_native_format_by_default(sources, tmp_path, capsys):
     out = tmp_path / "moe"
     assert cli.main(["convert", str(sources["llama"]), "--experts", "4", "--out", str(out), "--no-progress"]) == 0
     text = capsys.readouterr().out
-    assert "-> MixtralForCausalLM" in text and "capacity factor 1.2 is recorded" in text
+    assert "-> MixtralForCausalLM" in text and "run it dropless: exactly the dense model at init" in text
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["MixtralForCausalLM"] and "moe" not in config
-    assert config["moecompile"] == {"capacity_factor": 1.2, "method": "upcycle", "source": str(sources["llama"])}
+    assert config["moecompile"] == {"method": "upcycle", "source": str(sources["llama"])}  # no capacity asked for
     assert (out / "README.md").read_text().startswith("# MixtralForCausalLM upcycled from")
     model = moecompile.load(out)  # transformers' own class, the dense model's logits
     dense = transformers.AutoModelForCausalLM.from_pretrained(sources["llama"]).eval()

@@ -23,7 +23,6 @@ zero-size tensors), so it adds exactly 0 and costs nothing; a zero shared expert
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -38,14 +37,11 @@ from moecompile.errors import MoECompileError
 from moecompile.io.checkpoint import (
     DEFAULT_SHARD_SIZE,
     NATIVE_RECORD,
-    WEIGHTS_INDEX,
     atomic_directory,
     check_output_dir,
     copy_generation_config,
     copy_tokenizer,
     read_config,
-    tensor_headers,
-    weight_files,
     write_config,
 )
 from moecompile.io.stream import ST_DTYPES, TORCH_TO_ST, Entry, parse_size, shard, write_weights

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from moecompile.conversion.moeize import block_config, build_block, check_ffns, check_options, dense_ffn, parse_layers
 from moecompile.conversion import validate
+from moecompile.conversion.moeize import block_config, build_block, check_ffns, check_options, dense_ffn, parse_layers
 from moecompile.conversion.native import LAYER_RE, check_source, family_support, natural_key, parse_dtype
 from moecompile.errors import MoECompileError
 from moecompile.io.checkpoint import (
@@ -221,7 +221,8 @@ def split_checkpoint(source: str | os.PathLike, out: str | os.PathLike, experts:
     knobs = dict(experts=experts, top_k=top_k, capacity_factor=capacity_factor, seed=seed)
     files = shard(plan, max_bytes)
     with atomic_directory(out) as tmp:
-        total = write_weights(tmp, files, _Reader(tensors, matches, knobs, load, out_dtype, allow_nonfinite), "split", progress)
+        read = _Reader(tensors, matches, knobs, load, out_dtype, allow_nonfinite)
+        total = write_weights(tmp, files, read, "split", progress)
         _write_configs(tmp, source, hf_config, out_dtype,
                        [layout.entry(_ffn_path(i), configs[i], []) for i in selected])
         copy_tokenizer(source, tmp)
