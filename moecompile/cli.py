@@ -573,6 +573,18 @@ def _check_args(a) -> None:
             a.capacity_factor = knobs.CAPACITY_FACTOR
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Logs to sys.stderr as it is at each message: an in-process caller may have replaced it since the first call."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 class _Signalled(KeyboardInterrupt):
     """SIGTERM or SIGINT, unwinding like Ctrl-C so partial outputs are removed; exits 128 + the signal's number."""
 
@@ -611,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     """The command line. Called without argv it is the program (console script, python -m) and owns the process's
     signals (_exit_on_signals); called with argv (in-process) it turns SIGTERM into an unwinding exception."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(format="moecompile: %(levelname)s: %(message)s", level=logging.WARNING)
+    logging.basicConfig(format="moecompile: %(levelname)s: %(message)s", level=logging.WARNING,
+                        handlers=[_StderrHandler()])
     in_main_thread = threading.current_thread() is threading.main_thread()
     if argv is None and in_main_thread:
         _exit_on_signals()
