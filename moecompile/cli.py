@@ -435,8 +435,9 @@ def inspect_cmd(a) -> int:
             if probe:
                 info["routing"] = _probe_routing(model, a)
         elif probe:
-            raise MoECompileError(f"{a.model} has no MoE blocks: --routing and --plot measure the expert load of MoE "
-                                  "blocks; convert the model first")
+            raise MoECompileError(f"{a.model} has no MoE blocks (not a moecompile checkpoint nor a Hugging Face MoE "
+                                  "model): --routing and --plot measure the expert load of MoE blocks; convert the "
+                                  "model first")
         else:
             found, skipped = find_dense_ffns(model)
             info = {"kind": "dense", "ffns": [f.describe() for f in found], "skipped": skipped,
