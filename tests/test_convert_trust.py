@@ -50,11 +50,14 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     configs = {"gpt2": transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=128,
                                                bos_token_id=0, eos_token_id=0),
                "llama": transformers.LlamaConfig(**TINY),
-               "qwen3": transformers.Qwen3Config(head_dim=8, tie_word_embeddings=True, **TINY)}
+               "qwen3": transformers.Qwen3Config(head_dim=8, tie_word_embeddings=True, **TINY),
+               "bert": transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                               intermediate_size=64, vocab_size=128, max_position_embeddings=64)}
     out = {}
     for name, config in configs.items():
         torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
+        auto = transformers.AutoModel if name == "bert" else transformers.AutoModelForCausalLM
+        auto.from_config(config).save_pretrained(root / name)
         out[name] = root / name
     return out
 
@@ -170,13 +173,14 @@ def test_inspect_tiny_mixtral_random_init(capsys):
 
 # ------------------------------------------------------------------------------------------------ input validation
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda c: {**c, "n_layer": 1}, "n_layer=1 but the weights hold layers 0-1"),
-    (lambda c: {**c, "n_layer": 3}, "n_layer=3 but the weights hold layers 0-1"),
-    (lambda c: {**c, "n_inner": 64}, "has shape"),
+@pytest.mark.parametrize("name, edit, message", [
+    ("gpt2", lambda c: {**c, "n_layer": 1}, "n_layer=1 but the weights hold layers 0-1"),
+    ("gpt2", lambda c: {**c, "n_layer": 3}, "n_layer=3 but the weights hold layers 0-1"),
+    ("gpt2", lambda c: {**c, "n_inner": 64}, "has shape"),
+    ("bert", lambda c: {**c, "num_hidden_layers": 3}, "num_hidden_layers=3 but the weights hold layers 0-1"),
 ])
-def test_gpt2_config_weights_mismatch_refused(folders, tmp_path, capsys, edit, message):
-    src = _copy(folders["gpt2"], tmp_path / "src", edit)
+def test_in_memory_config_weights_mismatch_refused(folders, tmp_path, capsys, name, edit, message):
+    src = _copy(folders[name], tmp_path / "src", edit)
     (tmp_path / "outs").mkdir()
     rc, _, err = cli(capsys, "convert", src, "--experts", "4", "--out", tmp_path / "outs" / "moe", "--no-progress")
     assert rc == 2 and message in one_error(err)
