@@ -30,8 +30,10 @@ def _parser() -> argparse.ArgumentParser:
                                  "or, with --random-init, a known config name (gpt2, bert-base-uncased, ...)")
     c.add_argument("--experts", type=int, required=True, help="experts per MoE block")
     c.add_argument("--top-k", type=int, default=knobs.TOP_K, help=f"experts per token (default {knobs.TOP_K})")
-    c.add_argument("--capacity-factor", type=float, default=knobs.CAPACITY_FACTOR,
-                   help=f"per-expert capacity, as moecompile.MoEConfig defines it (default {knobs.CAPACITY_FACTOR})")
+    c.add_argument("--capacity-factor", type=float, default=None,
+                   help="a training knob: a fixed per-expert capacity (as moecompile.MoEConfig defines it) that drops "
+                        "the assignments over it. Default: none, dropless, so the converted model computes what the "
+                        "summary says; a capacity you give is recorded and moecompile.compile applies it")
     c.add_argument("--method", choices=knobs.METHODS, default=knobs.METHOD,
                    help="upcycle: experts are copies of the FFN; split: FFN neurons partitioned into experts")
     c.add_argument("--layers", default=None, help="which FFNs: all (default), even, odd, or e.g. 0,2,5-7")
@@ -75,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--max-shard-size", default="5GB", help="shard model.safetensors above this size (default 5GB)")
     c.add_argument("--fp8", action="store_true",
                    help="store the experts in FP8 (float8_e4m3fn, 128x128 block scales); inference only")
+    c.add_argument("--allow-nonfinite", action="store_true",
+                   help="convert weights that hold NaN or infinity (refused by default)")
     c.add_argument("--no-progress", action="store_true")
 
     q = sub.add_parser("quantize", help="quantise the experts of a moecompile checkpoint or of a Hugging Face MoE "
@@ -179,7 +183,7 @@ def convert(a) -> int:
     import torch
 
     from moecompile import report
-    from moecompile.conversion import models
+    from moecompile.conversion import models, validate
     from moecompile.conversion.frontend import example_inputs
     from moecompile.conversion.moeize import moeize
     from moecompile.io import checkpoint
@@ -195,13 +199,14 @@ def convert(a) -> int:
         if target is not None:
             return _convert_native(a, directory, out, start)
         if a.format == "hf":
-            raise MoECompileError(f"--format hf: {why_not_native}")
+            raise MoECompileError(f"--format hf: {why_not_native} (--format auto writes moecompile's format then)")
     directory = _split_stream_source(a, models)
     if directory is not None:
         return _convert_split_stream(a, directory, out, start, why_not_native)
     torch.manual_seed(a.seed)  # --random-init weights and the routers' initialisation: one seed, reproducible output
     source = models.load_source(a.model, random_init=a.random_init, progress=progress)
     model = source.model.eval()
+    validate.check_model_finite(model, a.allow_nonfinite)
     dense = report.parameter_counts(model)
     probe_args, probe_kwargs = example_inputs(model)
     dense_out = _probe_output(model, probe_args, probe_kwargs)
@@ -232,18 +237,24 @@ def convert(a) -> int:
     moe = report.parameter_counts(model)
     blocks = report.block_rows(model)
     print(f"converted {a.model}{' (RANDOM weights)' if source.random_weights else ''}: {len(blocks)} FFNs -> "
-          f"MoE blocks ({a.method}, {a.experts} experts, top-{a.top_k}, capacity factor {a.capacity_factor})")
+          f"MoE blocks ({a.method}, {a.experts} experts, top-{a.top_k}, {_capacity(a)})")
     print(f"  parameters: dense {report.human(dense['total'])} -> total {report.human(moe['total'])}, "
           f"active per token {report.human(moe['active_per_token'])}")
-    print(f"  output vs dense on {probe_args[0].numel()} probe tokens, dropless (capacity factor 0): "
-          f"max abs diff {exact_diff:.3g}")
-    print(f"  at capacity factor {a.capacity_factor}: {dropped:.1%} of the probe's token-expert assignments dropped, "
-          f"max abs diff {diff:.3g}")
+    print(f"  output vs dense on {probe_args[0].numel()} probe tokens, dropless: max abs diff {exact_diff:.3g}")
+    if a.capacity_given:
+        print(f"  capacity {a.capacity_factor}: drops {dropped:.1%} of the token-expert assignments on the probe "
+              f"batch, max abs diff {diff:.3g} (recorded in config.json: moecompile.load and moecompile.compile apply "
+              "it)")
     if a.fp8:
         print(f"  FP8 experts (float8_e4m3fn, 128x128 block scales): output vs unquantised, relative error "
               f"{fp8_err:.3g}")
-    print(f"  saved to {out} in {time.perf_counter() - start:.1f} s, in moecompile's format: {why_not_native}")
+    print(f"  saved to {out} in {time.perf_counter() - start:.1f} s, in moecompile's format ({why_not_native}): "
+          "load it with moecompile.load (README.md says how)")
     return 0
+
+
+def _capacity(a) -> str:
+    return f"capacity factor {a.capacity_factor}" if a.capacity_given else "dropless"
 
 
 def _native_target(a, models) -> tuple:
@@ -263,17 +274,24 @@ def _convert_native(a, directory, out, start: float) -> int:
     from moecompile import report
     from moecompile.conversion.native import upcycle_native
 
-    record = {"capacity_factor": a.capacity_factor, "method": "upcycle", "source": a.model}
+    record = {"method": "upcycle", "source": a.model}
+    if a.capacity_given:
+        record["capacity_factor"] = a.capacity_factor
     r = upcycle_native(directory, out, a.experts, a.top_k, a.layers, a.seed, a.dtype, a.max_shard_size,
-                       noise=a.noise, fp8=a.fp8, progress=not a.no_progress, record=record)
+                       noise=a.noise, fp8=a.fp8, progress=not a.no_progress, record=record,
+                       allow_nonfinite=a.allow_nonfinite)
     print(f"converted {a.model}: {len(r.moe_layers)} FFNs -> {r.target} (upcycle, {a.experts} experts, top-{a.top_k}), "
           "native Hugging Face format: AutoModelForCausalLM loads it without moecompile")
     print(f"  parameters: dense {report.human(r.source_params)} -> total {report.human(r.output_params)}")
     exact = "exactly the dense model at init" if not a.noise else f"the dense model plus --noise {a.noise}"
     if a.fp8:
         exact += ", up to FP8 rounding of the experts (FineGrainedFP8 layout, 128x128 block scales)"
-    print(f"  transformers runs it dropless ({exact}); capacity factor {a.capacity_factor} is recorded in config.json "
-          "for moecompile.compile")
+    if a.capacity_given:
+        print(f"  transformers runs it dropless ({exact}); capacity factor {a.capacity_factor} is recorded in "
+              "config.json and moecompile.compile applies it: its drops are not measured here (the streaming "
+              f"conversion runs no probe; `moecompile inspect --routing {out}` measures them)")
+    else:
+        print(f"  transformers and moecompile.compile run it dropless: {exact}")
     files = sorted(f for f in out.iterdir() if f.is_file())
     print(f"  wrote {len(files)} files, {r.output_bytes / 1e9:.2f} GB of weights in {r.shards} shard(s), to {out} in "
           f"{time.perf_counter() - start:.1f} s")
@@ -297,7 +315,7 @@ def _split_equivalence(a) -> str:
         return (f"top-{a.top_k} of {a.experts} experts: each token uses {a.top_k / a.experts:.0%} of every FFN's "
                 "neurons and drops the rest, so the output is not the dense model's: calibrate it (--calib, in memory) "
                 "or train it")
-    if a.capacity_factor == 0 or abs(a.capacity_factor) >= 1:
+    if not a.capacity_factor or abs(a.capacity_factor) >= 1:
         return ("top-k = experts: every expert has weight 1 and the output bias is added once, so the model equals "
                 "the dense one (up to rounding)")
     return (f"top-k = experts equals the dense model only without drops, and capacity factor {a.capacity_factor} "
@@ -310,17 +328,17 @@ def _convert_split_stream(a, directory, out, start: float, why_not_native: str) 
     from moecompile.conversion.split_stream import split_checkpoint
 
     r = split_checkpoint(directory, out, a.experts, a.top_k, a.capacity_factor, a.layers, a.seed, a.dtype,
-                         a.max_shard_size, progress=not a.no_progress)
+                         a.max_shard_size, progress=not a.no_progress, allow_nonfinite=a.allow_nonfinite)
     counts = report.checkpoint_summary(out)
     print(f"converted {a.model}: {len(r.blocks)} FFNs -> MoE blocks (split, {a.experts} experts, top-{a.top_k}, "
-          f"capacity factor {a.capacity_factor}), streamed one FFN at a time: the dense model was never built")
+          f"{_capacity(a)}), streamed one FFN at a time: the dense model was never built")
     print(f"  parameters: dense {report.human(r.source_params)} -> total {report.human(counts['total'])}, "
           f"active per token {report.human(counts['active_per_token'])}")
     print(f"  {_split_equivalence(a)}; no probe run")
     files = sorted(f for f in out.iterdir() if f.is_file())
     print(f"  wrote {len(files)} files, {r.output_bytes / 1e9:.2f} GB of {str(r.dtype).removeprefix('torch.')} "
-          f"weights in {r.shards} shard(s), to {out} in {time.perf_counter() - start:.1f} s, in moecompile's format: "
-          f"{why_not_native}")
+          f"weights in {r.shards} shard(s), to {out} in {time.perf_counter() - start:.1f} s, in moecompile's format "
+          f"({why_not_native}): load it with moecompile.load (README.md says how)")
     return 0
 
 
@@ -409,24 +427,32 @@ def inspect_cmd(a) -> int:
         model = checkpoint.load(a.model, progress=progress)
         info = {"kind": "moe", "blocks": report.block_rows(model), **report.parameter_counts(model),
                 "routing": _probe_routing(model, a)}
-    elif probe:
-        raise MoECompileError(f"{a.model} is not a moecompile checkpoint: --routing and --plot measure the expert "
-                              "load of MoE blocks; convert the model first")
     else:
         model = models.load_source(a.model, random_init=a.random_init, progress=progress).model
-        found, skipped = find_dense_ffns(model)
-        info = {"kind": "dense", "ffns": [f.describe() for f in found], "skipped": skipped,
-                **report.parameter_counts(model)}
+        hf_blocks = report.hf_block_rows(model)  # a Hugging Face MoE model: native convert outputs included
+        if hf_blocks:
+            info = {"kind": "moe", "blocks": hf_blocks, **report.parameter_counts(model)}
+            if probe:
+                info["routing"] = _probe_routing(model, a)
+        elif probe:
+            raise MoECompileError(f"{a.model} has no MoE blocks (not a moecompile checkpoint nor a Hugging Face MoE "
+                                  "model): --routing and --plot measure the expert load of MoE blocks; convert the "
+                                  "model first")
+        else:
+            found, skipped = find_dense_ffns(model)
+            info = {"kind": "dense", "ffns": [f.describe() for f in found], "skipped": skipped,
+                    **report.parameter_counts(model)}
     if a.json:
         print(json.dumps(info, indent=2))
         return 0
     if info["kind"] == "moe":
         print(f"{a.model}: {len(info['blocks'])} MoE blocks")
         for b in info["blocks"]:
-            print(f"  {b['path']}: {b['method']}, {b['experts']} experts x {b['expert_size']} "
+            kind = f"{b['class']} ({b['method']})" if "class" in b else b["method"]
+            routing = f"capacity factor {b['capacity_factor']}" if b["capacity_factor"] else "dropless"
+            print(f"  {b['path']}: {kind}, {b['experts']} experts x {b['expert_size']} "
                   f"({b['activation']}{', gated' if b['gated'] else ''}{', fp8' if b['fp8'] else ''}), "
-                  f"top-{b['top_k']}, "
-                  f"capacity factor {b['capacity_factor']}, {report.human(b['params'])} params")
+                  f"top-{b['top_k']}, {routing}, {report.human(b['params'])} params")
     else:
         print(f"{a.model}: dense, {len(info['ffns'])} FFNs found")
         for line in info["ffns"]:
@@ -472,7 +498,10 @@ def _probe_routing(model, a) -> dict:
         seq = min(128, ids.shape[1])
         ids = ids[:, : ids.shape[1] // seq * seq].reshape(-1, seq)
         what = f"text from {Path(a.probe_text).name}"
-    stats, tokens = probe_routing(model, a.probe_tokens, a.seed, ids)
+    from moecompile import report
+
+    run_probe = report.hf_probe_routing if report.hf_moe_blocks(model) else probe_routing
+    stats, tokens = run_probe(model, a.probe_tokens, a.seed, ids)
     probe = f"{tokens} probe tokens ({what}{', seed %d' % a.seed if ids is None else ''})"
     out = {"probe": probe, "blocks": {path: {**s.summary(), "counts": s.counts.tolist(), "dropped": int(s.dropped)}
                                       for path, s in stats.items()}}
@@ -540,18 +569,67 @@ def _check_args(a) -> None:
     if a.command == "convert":
         knobs.check_experts(a.experts, "--experts")
         knobs.check_top_k(a.top_k, a.experts, "--top-k", "--experts")
+        a.capacity_given = a.capacity_factor is not None  # recorded and reported only when the user asks for one
+        if not a.capacity_given:
+            a.capacity_factor = knobs.CAPACITY_FACTOR
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Logs to sys.stderr as it is at each message: an in-process caller may have replaced it since the first call."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+class _Signalled(KeyboardInterrupt):
+    """SIGTERM or SIGINT, unwinding like Ctrl-C so partial outputs are removed; exits 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.code = 128 + signum
 
 
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+    raise _Signalled(signum)
+
+
+def _exit_on_signals() -> None:
+    """The program's own signal handling: SIGTERM and SIGINT go to a thread that removes this process's partial
+    outputs and exits at once (128 + the signal), even while the main thread is inside a long call that a Python
+    handler would wait for (a save, a matmul)."""
+    import os
+
+    signals = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # before any other thread starts: they inherit the mask
+
+    def watch():
+        signum = signal.sigwait(signals)
+        checkpoint = sys.modules.get("moecompile.io.checkpoint")  # nothing to remove if no output was started
+        if checkpoint is not None:
+            checkpoint.abandon_partials()
+        sys.stdout.flush()
+        print(f"moecompile: {'interrupted' if signum == signal.SIGINT else 'terminated'}", file=sys.stderr,
+              flush=True)
+        os._exit(128 + signum)
+
+    threading.Thread(target=watch, name="moecompile-signals", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line. Called without argv it is the program (console script, python -m) and owns the process's
+    signals (_exit_on_signals); called with argv (in-process) it turns SIGTERM into an unwinding exception."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(format="moecompile: %(levelname)s: %(message)s", level=logging.WARNING)
-    # SIGTERM (timeout, job schedulers, docker stop) unwinds like Ctrl-C, so partial outputs are removed
+    logging.basicConfig(format="moecompile: %(levelname)s: %(message)s", level=logging.WARNING,
+                        handlers=[_StderrHandler()])
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
+    if argv is None and in_main_thread:
+        _exit_on_signals()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread and argv is not None else None
     try:
         _check_args(args)
         import transformers
@@ -563,11 +641,11 @@ def main(argv: list[str] | None = None) -> int:
     except MoECompileError as e:
         print(f"moecompile: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("moecompile: interrupted", file=sys.stderr)
-        return 130
+        return getattr(e, "code", 128 + signal.SIGINT)
     finally:
-        if in_main_thread:
+        if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 

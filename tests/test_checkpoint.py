@@ -105,7 +105,7 @@ def test_roundtrip_identical(family, method, tmp_path):
     assert out == tmp_path / "ckpt"
     assert (out / "model.safetensors").is_file()
     config = json.loads((out / "config.json").read_text())
-    assert config["moe"]["format_version"] == 2 and config["model_type"] == "moecompile"
+    assert config["moe"]["format_version"] == 2 and config["model_type"] == checkpoint.MODEL_TYPE
     assert [b["path"] for b in config["moe"]["blocks"]] == [p for p, _ in moe_blocks(model)]
 
     loaded = checkpoint.load(out, progress=False)
@@ -148,7 +148,11 @@ def test_plain_transformers_refuses_a_moecompile_folder(gpt2_ckpt):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["loaded"] is False and result["moecompile_imported"] is False
-    assert result["error"] == "ValueError" and "model type `moecompile`" in result["message"]
+    assert result["error"] == "ValueError"
+    assert "model type `moecompile-checkpoint: load it with moecompile.load`" in result["message"]
+    assert "moecompile.load" in json.loads((gpt2_ckpt / "config.json").read_text())["moecompile_note"]
+    card = (gpt2_ckpt / "README.md").read_text()
+    assert "moecompile.load(" in card and "transformers refuses" in card
 
 
 def test_loads_folders_written_in_the_old_layout(gpt2_moe, gpt2_ckpt, tmp_path):
@@ -271,7 +275,7 @@ def test_save_refuses_non_empty_dir(gpt2_moe, tmp_path):
 def test_save_refuses_existing_file(gpt2_moe, tmp_path):
     out = tmp_path / "a-file"
     out.write_text("x")
-    with pytest.raises(MoECompileError, match="exists"):
+    with pytest.raises(MoECompileError, match="a-file is an existing file"):
         checkpoint.save(gpt2_moe, out, progress=False)
     assert out.read_text() == "x"
 
@@ -414,7 +418,8 @@ BAD = {
     "unknown-block-key": (_edit_config(_unknown_block_key), r"unknown MoE config keys: bogus"),
     "no-architecture": (_edit_config(lambda c: c["moe"]["source"].pop("architectures")),
                         r"names no transformers architecture"),
-    "no-source": (_edit_config(lambda c: c["moe"].pop("source")), r"model_type 'moecompile' but no moe\.source"),
+    "no-source": (_edit_config(lambda c: c["moe"].pop("source")),
+                  r"model_type 'moecompile-checkpoint: load it with moecompile\.load' but no moe\.source"),
     "extra-tensor": (_edit_tensors(lambda t: t.update({"extra.weight": torch.zeros(3)})),
                      r"unexpected tensor extra\.weight"),
     "missing-tensor": (_edit_tensors(lambda t: t.pop("transformer.h.1.mlp.router.weight")),
@@ -501,9 +506,9 @@ def test_plain_module_roundtrip(tmp_path):
     assert (expected - dense).abs().max() < 1e-5  # upcycling is exact up to rounding
 
     out = checkpoint.save(net, tmp_path / "plain", progress=False)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     config = json.loads((out / "config.json").read_text())
-    assert set(config) == {"moe", "model_type", "architectures"} and config["moe"]["source"] == {}
+    assert set(config) == {"moe", "model_type", "architectures", "moecompile_note"} and config["moe"]["source"] == {}
     assert [b["path"] for b in config["moe"]["blocks"]] == ["ffn"]
     assert config["moe"]["blocks"][0]["config"]["num_experts"] == 4
 

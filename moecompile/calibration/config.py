@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from moecompile.errors import MoECompileError
-from moecompile.ir.knobs import CALIB_EVAL_SENTENCES, CALIB_TOKENS, PARTITIONS, calib_steps
+from moecompile.ir.knobs import CALIB_EVAL_SENTENCES, CALIB_TOKENS, CAPACITY_FACTOR, PARTITIONS, calib_steps
 
 
 @dataclass
@@ -31,7 +31,7 @@ class CalibConfig:
     e2e_keep_best: bool = True  # keep the end-to-end parameters that scored best there, not the last ones
     bf16: bool | None = None  # distillation matmuls in bfloat16 autocast (weights and losses stay float32);
     # None: where bfloat16 is native (native_bf16)
-    capacity_factor: float = 0.0
+    capacity_factor: float = CAPACITY_FACTOR
     seed: int = 0
 
     def __post_init__(self):

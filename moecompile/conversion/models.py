@@ -148,6 +148,9 @@ def _from_dir(directory: Path, name: str, random_init: bool, progress: bool) -> 
     if not any((directory / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
         raise MoECompileError(f"no safetensors weights in {directory} (pickle checkpoints are not loaded); "
                               "use --random-init to build it with random weights")
+    from moecompile.conversion import validate
+
+    validate.check_folder(directory, cls)  # config.json against the weights, as every conversion engine checks it
     if not progress:
         transformers.utils.logging.disable_progress_bar()
     try:

@@ -23,7 +23,6 @@ zero-size tensors), so it adds exactly 0 and costs nothing; a zero shared expert
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -32,22 +31,20 @@ from pathlib import Path
 
 import torch
 
+from moecompile.conversion import validate
 from moecompile.conversion.moeize import ROUTER_STD, parse_layers, upcycle_copy, upcycle_router
 from moecompile.errors import MoECompileError
 from moecompile.io.checkpoint import (
     DEFAULT_SHARD_SIZE,
     NATIVE_RECORD,
-    WEIGHTS_INDEX,
     atomic_directory,
     check_output_dir,
     copy_generation_config,
     copy_tokenizer,
     read_config,
-    tensor_headers,
-    weight_files,
     write_config,
 )
-from moecompile.io.stream import ST_DTYPES, TORCH_TO_ST, Entry, parse_size, read_tensor, shard, write_weights
+from moecompile.io.stream import ST_DTYPES, TORCH_TO_ST, Entry, parse_size, shard, write_weights
 from moecompile.ir import knobs
 
 FFN_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -75,7 +72,6 @@ FAMILIES = {"LlamaForCausalLM": MIXTRAL, "MistralForCausalLM": MIXTRAL, "Qwen2Fo
             "Qwen3ForCausalLM": QWEN3_MOE}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM"}
-IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a buffer some old checkpoints stored: recomputed on load
 # config keys never copied from the source: identity of the source model, or set by the conversion
 NOT_COPIED = {"architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
               "auto_map", "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -180,7 +176,7 @@ def native_support(config, layers=None) -> tuple[str | None, str]:
     selected = _select_layers(layers, n)
     if not family.per_layer_dense and len(selected) != n:
         return None, (f"{family.target} has no dense layers: the native format makes all {n} FFNs MoE (asked for "
-                      f"{len(selected)}); use --format moecompile to choose layers")
+                      f"{len(selected)})")
     return family.target, ""
 
 
@@ -205,7 +201,8 @@ def native_config(config, experts: int, top_k: int, layers=None, dtype: str | No
     cfg = _config_dict(config)
     target, reason = native_support(cfg, layers)
     if target is None:
-        raise MoECompileError(f"cannot upcycle into a native MoE architecture: {reason}")
+        raise MoECompileError(f"cannot upcycle into a native MoE architecture: {reason}; moecompile's format "
+                              "(moeize + save, or convert --format moecompile) takes any layer selection")
     knobs.check_top_k(top_k, knobs.check_experts(experts))
     dtype = dtype or cfg.get("dtype") or cfg.get("torch_dtype")
     cfg = _normalised(cfg)
@@ -240,55 +237,11 @@ def native_config(config, experts: int, top_k: int, layers=None, dtype: str | No
 
 # ------------------------------------------------------------------------------------------------- source reading
 
-def source_tensors(directory: Path) -> dict[str, tuple[Path, tuple, str]]:
-    """name -> (file, shape, safetensors dtype) of every tensor of a checkpoint folder, from the headers alone. A
-    tensor IGNORED matches is neither checked nor written."""
-    tensors = {k: v for k, v in tensor_headers(weight_files(directory)).items() if not IGNORED.search(k)}
-    index = directory / WEIGHTS_INDEX
-    if index.is_file():  # weight_files checked that it parses
-        lost = [k for k, f in json.loads(index.read_text())["weight_map"].items()
-                if not IGNORED.search(k) and (k not in tensors or tensors[k][0].name != f)]
-        if lost:
-            raise MoECompileError(f"{index.name} names {len(lost)} tensors its files do not hold, e.g. {lost[0]}")
-    return tensors
-
-
-def _expected_tensors(cfg: dict, directory: Path) -> tuple[dict[str, tuple], set[str]]:
-    """(name -> shape) of the dense model's checkpoint and the names it may omit (a tied lm_head), from the model
-    built on the meta device: no memory, whatever its size."""
+def check_source(cfg: dict, directory: Path) -> dict:
+    """The source's tensors (from the headers), checked against config.json by the one validation (validate.py)."""
     import transformers
 
-    try:
-        hf_config = transformers.AutoConfig.from_pretrained(directory)  # config.json only
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    except Exception as e:  # noqa: BLE001 - any failure here means config.json does not describe a buildable model
-        raise MoECompileError(f"{directory}: cannot build {_architecture(cfg)} from config.json: {e}") from None
-    shapes = {k: tuple(t.shape) for k, t in model.state_dict().items()}
-    optional = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
-    return shapes, optional
-
-
-def check_source(cfg: dict, directory: Path, tensors: dict) -> None:
-    """The weights hold exactly the tensors config.json implies (layers, names, shapes): checked from the headers."""
-    n = cfg["num_hidden_layers"]
-    present = sorted({int(m.group(1)) for k in tensors if (m := LAYER_RE.match(k))})
-    if present != list(range(n)):
-        found = f"layers {present[0]}-{present[-1]}" if present else "no layers"
-        gaps = "" if not present or present == list(range(present[-1] + 1)) else f" ({len(present)} of them)"
-        raise MoECompileError(f"{directory}: config.json says num_hidden_layers={n} but the weights hold "
-                              f"{found}{gaps}")
-    expected, optional = _expected_tensors(cfg, directory)
-    missing = [k for k in expected if k not in tensors and k not in optional]
-    if missing:
-        raise MoECompileError(f"{directory}: {len(missing)} tensors missing from the weights, e.g. {missing[0]}")
-    unexpected = [k for k in tensors if k not in expected]
-    if unexpected:
-        raise MoECompileError(f"{directory}: unexpected tensor {unexpected[0]} for {_architecture(cfg)} "
-                              f"({len(unexpected)} in all)")
-    for k, (_, shape, _) in tensors.items():
-        if shape != expected[k]:
-            raise MoECompileError(f"{directory}: {k} has shape {shape}, config.json implies {expected[k]}")
+    return validate.check_folder(directory, getattr(transformers, _architecture(cfg)))
 
 
 # ----------------------------------------------------------------------------------------------- plan and writing
@@ -333,8 +286,9 @@ def natural_key(name: str) -> list:
 class _Reader:
     """Reads plan tensors one at a time, keeping only the last one (the next expert copies it again)."""
 
-    def __init__(self, tensors: dict, seed: int, router_std: float, noise: float = 0.0):
+    def __init__(self, tensors: dict, seed: int, router_std: float, noise: float = 0.0, allow_nonfinite: bool = False):
         self.tensors, self.seed, self.router_std, self.noise = tensors, seed, router_std, noise
+        self.allow_nonfinite = allow_nonfinite
         self.last: tuple | None = None
 
     def __call__(self, t: _Tensor) -> torch.Tensor:
@@ -352,7 +306,8 @@ class _Reader:
         elif t.router_layer is not None:
             value = upcycle_router(self.seed, t.router_layer, *t.shape, self.router_std).to(ST_DTYPES[t.dtype])
         else:
-            value = read_tensor(self.tensors[t.source][0], t.source).to(ST_DTYPES[t.dtype])
+            value = validate.read_checked(self.tensors[t.source][0], t.source, self.allow_nonfinite).to(
+                ST_DTYPES[t.dtype])
         self.last = (key, value.contiguous())
         return self.last[1]
 
@@ -363,7 +318,7 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
                    seed: int = 0, dtype: str | torch.dtype | None = None,
                    max_shard_size: str | int = DEFAULT_SHARD_SIZE, router_std: float = ROUTER_STD,
                    noise: float = 0.0, fp8: bool = False, progress: bool = True,
-                   record: dict | None = None) -> NativeResult:
+                   record: dict | None = None, allow_nonfinite: bool = False) -> NativeResult:
     """Upcycle the dense HF checkpoint folder `source` into `out` in its native HF MoE architecture (see
     native_support), streaming: every expert a copy of the dense FFN, routers normal(0, router_std) drawn from
     `seed`. `noise` > 0 adds normal noise of noise * std(W) to each expert copy of W (as moeize's upcycle does:
@@ -371,7 +326,8 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
     streaming. `fp8` writes the experts in transformers' FineGrainedFP8 layout (moecompile.io.hf_fp8), quantised from
     the copies (in the source's precision, before any `dtype` cast) as they stream. `record` (how it was made:
     capacity factor, source, ...) goes into config.json's "moecompile" entry, which transformers ignores and
-    moecompile reads, and into the model card README.md. `out` appears complete or not at all."""
+    moecompile reads, and into the model card README.md. Source weights holding NaN or infinity are refused unless
+    `allow_nonfinite`. `out` appears complete or not at all."""
     start = time.perf_counter()
     source = Path(source)
     if not source.is_dir():
@@ -387,13 +343,12 @@ def upcycle_native(source: str | os.PathLike, out: str | os.PathLike, experts: i
     config[NATIVE_RECORD] = {"method": "upcycle", **(record or {})}  # also how moecompile.load recognises it
     family = FAMILIES[_architecture(cfg)]
     selected = _select_layers(layers, cfg["num_hidden_layers"])
-    tensors = source_tensors(source)
-    check_source(cfg, source, tensors)
+    tensors = check_source(cfg, source)
     plan = _plan(tensors, family, selected, experts, out_dtype, bool(config.get("tie_word_embeddings")))
     if "dtype" not in config:  # the source config named none: that of the embeddings
         config["dtype"] = config["torch_dtype"] = str(ST_DTYPES[next(
             t.dtype for t in plan if t.name.endswith("embed_tokens.weight"))]).removeprefix("torch.")
-    read = _Reader(tensors, seed, router_std, noise)
+    read = _Reader(tensors, seed, router_std, noise, allow_nonfinite)
     written = plan
     if fp8:
         from moecompile.io.hf_fp8 import FP8Reader, fp8_entries, hf_quantization_config

@@ -20,15 +20,9 @@ from pathlib import Path
 
 import torch
 
+from moecompile.conversion import validate
 from moecompile.conversion.moeize import block_config, build_block, check_ffns, check_options, dense_ffn, parse_layers
-from moecompile.conversion.native import (
-    LAYER_RE,
-    check_source,
-    family_support,
-    natural_key,
-    parse_dtype,
-    source_tensors,
-)
+from moecompile.conversion.native import LAYER_RE, check_source, family_support, natural_key, parse_dtype
 from moecompile.errors import MoECompileError
 from moecompile.io.checkpoint import (
     CONFIG,
@@ -40,7 +34,7 @@ from moecompile.io.checkpoint import (
     weight_files,
     write_moe_config,
 )
-from moecompile.io.stream import ST_DTYPES, TORCH_TO_ST, Entry, parse_size, read_tensor, shard, write_weights
+from moecompile.io.stream import ST_DTYPES, TORCH_TO_ST, Entry, parse_size, shard, write_weights
 from moecompile.ir import layout
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import identify_activation
@@ -123,8 +117,10 @@ class _Reader:
     """Produces the plan's tensors: a copied tensor on its own; a block's tensors by building the whole block once
     and handing them out until none is left, so at most one FFN and its block are held."""
 
-    def __init__(self, tensors: dict, matches: dict, knobs: dict, load: torch.dtype, out: torch.dtype):
+    def __init__(self, tensors: dict, matches: dict, knobs: dict, load: torch.dtype, out: torch.dtype,
+                 allow_nonfinite: bool = False):
         self.tensors, self.matches, self.knobs, self.load, self.out = tensors, matches, knobs, load, out
+        self.allow_nonfinite = allow_nonfinite
         self.block: dict[str, torch.Tensor] = {}
 
     def _cast(self, value: torch.Tensor) -> torch.Tensor:
@@ -133,17 +129,19 @@ class _Reader:
 
     def __call__(self, t: _Tensor) -> torch.Tensor:
         if t.layer is None:
-            return self._cast(read_tensor(self.tensors[t.source][0], t.source))
+            return self._cast(self._read(t.source))
         if t.name not in self.block:
             self.block = {}  # free the previous block before building the next
             self.block = self._build(t.layer)
         return self.block.pop(t.name)
 
+    def _read(self, name: str) -> torch.Tensor:
+        return validate.read_checked(self.tensors[name][0], name, self.allow_nonfinite)
+
     def _build(self, layer: int) -> dict[str, torch.Tensor]:
         match = self.matches[layer]
         # the read tensors die with this dict once dense_ffn has concatenated gate and up
-        ffn = dense_ffn({n: read_tensor(self.tensors[n][0], n).to(self.load) for n in _parameters(match)}, match,
-                        _ffn_path(layer))
+        ffn = dense_ffn({n: self._read(n).to(self.load) for n in _parameters(match)}, match, _ffn_path(layer))
         block = build_block(ffn, method=METHOD, index=layer, **self.knobs)
         return {f"{_ffn_path(layer)}.{k}": self._cast(v) for k, v in block.state_dict().items()}
 
@@ -190,9 +188,10 @@ def _write_configs(tmp: Path, source: Path, hf_config, out: torch.dtype, blocks:
 def split_checkpoint(source: str | os.PathLike, out: str | os.PathLike, experts: int, top_k: int = TOP_K,
                      capacity_factor: float = CAPACITY_FACTOR, layers=None, seed: int = 0,
                      dtype: str | torch.dtype | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE,
-                     progress: bool = True) -> SplitResult:
+                     progress: bool = True, allow_nonfinite: bool = False) -> SplitResult:
     """Split every selected FFN of the dense checkpoint folder `source` into `experts` experts and write the
-    moecompile checkpoint `out`, streaming (see the module docstring); `out` appears complete or not at all."""
+    moecompile checkpoint `out`, streaming (see the module docstring); source weights holding NaN or infinity are
+    refused unless `allow_nonfinite`; `out` appears complete or not at all."""
     start = time.perf_counter()
     source = Path(source)
     if not source.is_dir():
@@ -204,8 +203,7 @@ def split_checkpoint(source: str | os.PathLike, out: str | os.PathLike, experts:
     cfg, activation, reason = _support(source, layers)
     if cfg is None:
         raise MoECompileError(f"cannot stream a split of {source}: {reason}")
-    tensors = source_tensors(source)
-    check_source(cfg, source, tensors)
+    tensors = check_source(cfg, source)
     import transformers
 
     hf_config = transformers.AutoConfig.from_pretrained(source)  # checked buildable by check_source
@@ -223,7 +221,8 @@ def split_checkpoint(source: str | os.PathLike, out: str | os.PathLike, experts:
     knobs = dict(experts=experts, top_k=top_k, capacity_factor=capacity_factor, seed=seed)
     files = shard(plan, max_bytes)
     with atomic_directory(out) as tmp:
-        total = write_weights(tmp, files, _Reader(tensors, matches, knobs, load, out_dtype), "split", progress)
+        read = _Reader(tensors, matches, knobs, load, out_dtype, allow_nonfinite)
+        total = write_weights(tmp, files, read, "split", progress)
         _write_configs(tmp, source, hf_config, out_dtype,
                        [layout.entry(_ffn_path(i), configs[i], []) for i in selected])
         copy_tokenizer(source, tmp)

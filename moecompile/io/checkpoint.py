@@ -1,9 +1,11 @@
 """Checkpoints: an HF-style folder (config.json with an `moe` section, safetensors weights, tokenizer files).
 
-config.json is the dense source model's Hugging Face config with model_type "moecompile" and architectures
+config.json is the dense source model's Hugging Face config with model_type MODEL_TYPE and architectures
 ["MoECompileCheckpoint"]: transformers knows neither, so AutoModel* refuses the folder instead of building the dense
-model with freshly initialised FFNs. The source's own model_type and architectures are kept in `moe.source`; folders
-written before that (format_version 1, the source's model_type at the top) are read as they are.
+model with freshly initialised FFNs, and its message quotes the model_type, which says to use moecompile.load. A
+note in config.json and the model card README.md say the same. The source's own model_type and architectures are
+kept in `moe.source`; folders written before that (format_version 1, the source's model_type at the top) are read
+as they are.
 
 save() writes into a temporary sibling folder and renames it into place at the end, so a failed or interrupted
 run leaves no directory behind. load() builds the model from config.json alone (no pickle, no remote code),
@@ -13,11 +15,11 @@ that are corrupt or do not fit the config.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -39,19 +41,32 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 GENERATION_CONFIG = "generation_config.json"
 DEFAULT_SHARD_SIZE = "5GB"
-MODEL_TYPE = "moecompile"  # config.json model_type of moecompile's format (see the module docstring)
+# config.json model_type of moecompile's format: transformers' refusal quotes it (see the module docstring)
+MODEL_TYPE = "moecompile-checkpoint: load it with moecompile.load"
+MODEL_TYPES = (MODEL_TYPE, "moecompile")  # and the one written before
+NOTE_KEY = "moecompile_note"
+NOTE = ("A moecompile checkpoint: load it with `import moecompile; moecompile.load(folder)`. Plain transformers "
+        "refuses it on purpose: its MoE blocks are not a transformers architecture, and the dense model built from "
+        "this config would get random FFN weights. See README.md.")
+MODEL_CARD = "README.md"
 ARCHITECTURE = "MoECompileCheckpoint"
 SOURCE_KEYS = ("model_type", "architectures")  # the source's identity, moved into moe.source
 FORMAT_VERSIONS = (1, layout.FORMAT_VERSION)  # 1: the source's model_type and architectures at the top
 NATIVE_RECORD = "moecompile"  # config.json entry of a native HF MoE checkpoint: how convert made it
 PARTIAL = ".partial"  # suffix of the temporary folder a save writes into
+PARTIAL_MARKER = ".moecompile-partial"  # inside a partial folder: the writing process's pid, so only ours are removed
+_writing: set[Path] = set()  # this process's partial folders, removed by abandon_partials on a signal
+_publishing = threading.Lock()  # a partial folder is renamed into place or removed, never both at once
 
 
 def check_output_dir(directory: str | os.PathLike) -> Path:
     """Refuse an existing non-empty output directory before any work is done."""
     directory = Path(directory)
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise MoECompileError(f"output directory {directory} exists and is not empty")
+    if directory.exists() and not directory.is_dir():
+        raise MoECompileError(f"output folder {directory} is an existing file: give a folder that does not exist "
+                              "or is empty")
+    if directory.exists() and any(directory.iterdir()):
+        raise MoECompileError(f"output folder {directory} exists and is not empty")
     return directory
 
 
@@ -107,24 +122,56 @@ def save(model: nn.Module, directory: str | os.PathLike, tokenizer_dir: str | os
 @contextlib.contextmanager
 def atomic_directory(directory: str | os.PathLike) -> Iterator[Path]:
     """A temporary sibling folder to write into: renamed to `directory` when the block succeeds, removed when it
-    fails or is interrupted, so no half-written output is ever left. Refuses an existing non-empty directory."""
+    fails or is interrupted, so no half-written output is ever left. Refuses an existing non-empty directory. First
+    removes the partial folders that dead runs of moecompile left in the same parent folder."""
     directory = check_output_dir(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(directory)
+    remove_stale_partials(directory.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.{os.getpid()}.", suffix=PARTIAL, dir=directory.parent))
+    _writing.add(tmp)
     try:
+        (tmp / PARTIAL_MARKER).write_text(json.dumps({"pid": os.getpid()}) + "\n")
         yield tmp
         publish(tmp, directory)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with _publishing:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        _writing.discard(tmp)
 
 
-def _remove_stale_partials(directory: Path) -> None:
-    """Remove what a killed run of ours left (SIGKILL, power loss): partial folders whose writing process is gone."""
-    for stale in directory.parent.glob(f".{glob.escape(directory.name)}.*{PARTIAL}"):
-        pid = stale.name[len(directory.name) + 2:].split(".")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+def abandon_partials() -> None:
+    """Remove every partial folder this process is writing, and let none be published after: the last act of a
+    process about to exit on a signal. Leaves the publishing lock held."""
+    _publishing.acquire()
+    for tmp in list(_writing):
+        for _ in range(3):  # a writer thread may still be creating a file in it
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not tmp.exists():
+                break
+
+
+def _partial_pid(folder: Path) -> int | None:
+    """The pid of the moecompile run writing `folder` (.<name>.<pid>.<random>.partial holding a marker that names
+    the same pid), or None when the folder is not one of ours."""
+    head = folder.name[:-len(PARTIAL)].rsplit(".", 1)[0] if folder.name.endswith(PARTIAL) else ""
+    pid = head.rsplit(".", 1)[-1]
+    if not folder.name.startswith(".") or not pid.isdigit():
+        return None
+    try:
+        marked = json.loads((folder / PARTIAL_MARKER).read_text()).get("pid")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(pid) if marked == int(pid) else None
+
+
+def remove_stale_partials(parent: Path) -> None:
+    """Remove what killed runs of moecompile left in parent (SIGKILL, power loss): partial folders marked as ours
+    whose writing process is gone."""
+    for stale in parent.glob(f".*{PARTIAL}"):
+        pid = _partial_pid(stale) if stale.is_dir() else None
+        if pid is not None and not _alive(pid):
             shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -140,10 +187,12 @@ def _alive(pid: int) -> bool:
 
 def publish(tmp: Path, directory: Path) -> None:
     """Rename a finished temporary folder to `directory` (absent or empty), with default permissions."""
-    _default_permissions(tmp)
-    if directory.exists():
-        directory.rmdir()  # empty, checked before writing
-    os.rename(tmp, directory)
+    with _publishing:
+        (tmp / PARTIAL_MARKER).unlink(missing_ok=True)
+        _default_permissions(tmp)
+        if directory.exists():
+            directory.rmdir()  # empty, checked before writing
+        os.rename(tmp, directory)
 
 
 def write_config(directory: Path, config: dict) -> None:
@@ -152,12 +201,36 @@ def write_config(directory: Path, config: dict) -> None:
 
 def write_moe_config(directory: Path, config: dict, moe: dict) -> None:
     """config.json of a moecompile checkpoint from the source model's config (as save_pretrained writes it, or as
-    read_moe_config returns it) and the moe section's fields: the source's identity moves into moe.source."""
-    config = {k: v for k, v in config.items() if k != "moe"}
+    read_moe_config returns it) and the moe section's fields: the source's identity moves into moe.source. A folder
+    that moecompile.load reads (not an expert-parallel shard set) also gets its model card."""
+    config = {k: v for k, v in config.items() if k not in ("moe", NOTE_KEY)}
     source = {k: config.pop(k) for k in SOURCE_KEYS if k in config}
-    config.update(model_type=MODEL_TYPE, architectures=[ARCHITECTURE],
-                  moe={**moe, "format_version": layout.FORMAT_VERSION, "source": source})
+    config.update({NOTE_KEY: NOTE, "model_type": MODEL_TYPE, "architectures": [ARCHITECTURE],
+                   "moe": {**moe, "format_version": layout.FORMAT_VERSION, "source": source}})
     write_config(directory, config)
+    if "expert_parallel" not in moe:
+        (directory / MODEL_CARD).write_text(model_card(source, moe["blocks"]))
+
+
+def model_card(source: dict, blocks: list[dict]) -> str:
+    """README.md of a moecompile checkpoint: what it is, how to load it, why plain transformers refuses it."""
+    arch = (source.get("architectures") or [source.get("model_type") or "model"])[0]
+    configs = [b["config"] for b in blocks]
+    kinds = sorted({f"{c.get('method', 'custom')}, {c['num_experts']} experts, top-{c.get('top_k')}, "
+                    + ("dropless" if not c.get("capacity_factor") else f"capacity factor {c['capacity_factor']}")
+                    + (", FP8 experts" if "fp8" in b else "") for b, c in zip(blocks, configs)})
+    return "\n".join([
+        f"# {arch} with MoE blocks (moecompile format)", "",
+        f"Made with moecompile: {len(blocks)} FFNs of a {arch} became MoE blocks ({'; '.join(kinds)}).", "",
+        "## Load it", "", "```python", "import moecompile", "",
+        "model = moecompile.load(\"path/to/this/folder\")  # the model with its MoE blocks, in eval mode",
+        "fast = moecompile.compile(model)                  # the torch.compile backend", "```", "",
+        "## Why plain transformers refuses it", "",
+        f"config.json has model_type `{MODEL_TYPE}`, which transformers does not know, so `AutoModel*.from_pretrained` "
+        "raises instead of loading. That is on purpose: the MoE blocks (`moecompile.MoEBlock`) are not a "
+        f"transformers architecture, and a {arch} built from this config would have randomly initialised FFNs. "
+        "`moecompile.load` rebuilds the model and puts the blocks back. The source's own model_type and architectures "
+        "are in config.json under `moe.source`.", ""])
 
 
 def copy_tokenizer(source: str | os.PathLike | None, directory: Path) -> None:
@@ -299,11 +372,11 @@ def read_moe_config(directory: Path) -> tuple[dict, dict]:
         raise MoECompileError(f"{directory} is not a moecompile checkpoint: config.json has no moe section")
     if moe.get("format_version") not in FORMAT_VERSIONS:
         raise MoECompileError(f"{directory}: unsupported moe format_version {moe.get('format_version')!r}")
-    if config.get("model_type") == MODEL_TYPE:
+    if config.get("model_type") in MODEL_TYPES:
         source = moe.get("source")
         if not isinstance(source, dict):
-            raise MoECompileError(f"{directory}: config.json has model_type {MODEL_TYPE!r} but no moe.source")
-        config = {**{k: v for k, v in config.items() if k not in SOURCE_KEYS}, **source}
+            raise MoECompileError(f"{directory}: config.json has model_type {config['model_type']!r} but no moe.source")
+        config = {**{k: v for k, v in config.items() if k not in (*SOURCE_KEYS, NOTE_KEY)}, **source}
     return config, moe
 
 

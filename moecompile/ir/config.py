@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from moecompile.errors import MoECompileError
 from moecompile.ir.activations import activation as activation_fn  # noqa: F401  (the one definition)
-from moecompile.ir.knobs import TOP_K, check_experts, check_top_k
+from moecompile.ir.knobs import CAPACITY_FACTOR, TOP_K, check_experts, check_top_k
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 ACTIVATION_ALIASES = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "swish": "silu"}
@@ -36,8 +36,8 @@ def canonical_activation(name: str) -> str:
 class MoEConfig:
     """Shapes and routing of an `MoEBlock`.
 
-    capacity_factor (the one statement of its convention; moecompile.ir.knobs.CAPACITY_FACTOR is what a conversion
-    picks) follows Tutel: > 0 a fixed capacity of ceil(cf * tokens * top_k / experts) per expert, the
+    capacity_factor (the one statement of its convention; its default, dropless: knobs.CAPACITY_FACTOR)
+    follows Tutel: > 0 a fixed capacity of ceil(cf * tokens * top_k / experts) per expert, the
     overflow dropped; 0 dropless; < 0 dropless up to a cap of ceil(|cf| * tokens * top_k / experts). Expert
     groups have variable size (no padding), so > 0 and < 0 drop the same assignments; the sign only records intent.
     gate_weighting "router" scales each expert's output by its (renormalised) router weight; "unit" gives every
@@ -49,7 +49,7 @@ class MoEConfig:
     expert_size: int  # hidden neurons per expert
     num_experts: int
     top_k: int = TOP_K
-    capacity_factor: float = 0.0  # dropless when built by hand; conversions pass knobs.CAPACITY_FACTOR
+    capacity_factor: float = CAPACITY_FACTOR
     activation: str = "gelu"
     gated: bool = False  # act(x W_gate) * (x W_up), LLaMA-style
     bias_in: bool = False  # per-expert bias of the first projection

@@ -10,7 +10,10 @@ from moecompile.errors import MoECompileError
 
 EXPERTS = 16  # moeize() and the graph pass without `experts` (the CLI requires --experts)
 TOP_K = 2  # experts per token: conversion and MoEConfig
-CAPACITY_FACTOR = 1.2  # what a conversion gives its blocks; a hand-built MoEConfig defaults to 0.0 (dropless)
+# dropless: a converted block equals what the conversion says it equals until the user asks for a capacity, which
+# is a training knob (fixed-size expert buffers); every default of capacity_factor (MoEConfig, conversions,
+# calibration, the CLI) is this one
+CAPACITY_FACTOR = 0.0
 METHODS = ("upcycle", "split")
 METHOD = "upcycle"
 FORMATS = ("auto", "hf", "moecompile")  # convert's output: auto = the family's native HF MoE class where one fits
