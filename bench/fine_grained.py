@@ -284,7 +284,9 @@ def main(argv=None):
         return text
 
     for name in a.shapes.split(","):
+        shape_start = time.time()
         run_shape(name, *SHAPES[name], out_lines, train_lines, notes, a.vllm)
+        print(f"{name}: {time.time() - shape_start:.0f} s", flush=True)
         write()
     print("\n".join(write()))
 
