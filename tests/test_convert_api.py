@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import make_tiny_model, tiny_token_ids
 
 import moecompile
 from moecompile.cli import main as cli
 from moecompile.errors import MoECompileError
-from conftest import make_tiny_model, tiny_token_ids
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +119,18 @@ def test_cli_and_api_write_byte_identical_folders(folders, tmp_path, capsys, cas
         assert (tmp_path / "cli" / f).read_bytes() == (tmp_path / "api" / f).read_bytes(), f
     # the summary is the same but for the output path and the time taken
     assert printed.splitlines()[0] == r.lines[0] and len(printed.splitlines()) == len(r.lines)
+
+
+@pytest.mark.parametrize("capacity_factor, top_k", [(0.0, 2), (0.5, 2), (-0.75, 1), (1.0, 3), (4.0, 2)])
+def test_knobs_capacity_is_what_route_keeps(capacity_factor, top_k):
+    from moecompile.ir import knobs, ops
+
+    experts, tokens = 4, 37
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(0))
+    _, ids = ops.route(logits, top_k, capacity_factor, True)
+    _, all_ids = ops.route(logits, top_k, 0.0, True)
+    kept = torch.bincount(ids[ids < experts].flatten(), minlength=experts)
+    wanted = torch.bincount(all_ids.flatten(), minlength=experts)
+    cap = knobs.capacity(capacity_factor, tokens, top_k, experts)
+    assert torch.equal(kept, wanted if cap is None else wanted.clamp(max=cap))
+    assert knobs.never_drops(capacity_factor, top_k, experts) == (cap is None or cap >= tokens)

@@ -9,8 +9,9 @@ Engines, picked here and nowhere else:
   class (conversion/native.py); the dense model is never built.
 - split-stream: an uncalibrated neuron split of such a folder, streamed into moecompile's format
   (conversion/split_stream.py).
-- in-memory: everything else (any model moeize finds FFNs in, calibration, FP8, random weights, `out=None`): the
-  model is built, converted, probed against its dense output and saved (or returned, with `out=None`).
+- in-memory: everything else (any model moeize finds FFNs in, calibration, FP8 in moecompile's format, random
+  weights, `out=None`): the model is built, converted, probed against its dense output and saved (or returned, with
+  `out=None`).
 
 Importing this module is torch-free: ConvertOptions validates its knobs before torch is imported.
 """

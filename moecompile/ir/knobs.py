@@ -1,8 +1,9 @@
 """The conversion knobs (experts, top_k, capacity_factor, method): each default and each check, decided here once.
 
-Every entry point (the CLI, moecompile.moeize, the graph pass moeize, MoEConfig, MoEBlock's per-call top_k,
-calibration) calls these. Torch-free: the CLI checks its arguments with them before importing torch, so that a
-bad flag fails in well under a second. What capacity_factor means: MoEConfig's docstring.
+Every entry point (moecompile.convert's ConvertOptions, which the CLI fills, moecompile.moeize, the graph pass
+moeize, MoEConfig, MoEBlock's per-call top_k, calibration) calls these. Torch-free: a bad option fails before torch
+is imported. What capacity_factor means: MoEConfig's docstring; what it keeps and when it drops: capacity and
+never_drops below.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ FORMATS = ("auto", "hf", "moecompile")  # convert's output: auto = the family's 
 # the calibrated split's recipe (`convert --method split --calib`): its defaults for the CLI and the benchmarks
 CALIB_SOURCE = "mixed"  # calibration text: "mixed", "stdlib" or a text file's path
 CALIB_TOKENS = 270000  # about all of the standard library's calibration sentences
-# (layer-wise distillation steps per FFN, end-to-end steps after them) by where calibration runs: the CPU's fit the
-# 10-minute budget of 2 cores on all-MiniLM-L6-v2; a GPU affords the longer recipe
+# (layer-wise distillation steps per FFN, end-to-end steps after them) by where calibration runs: a CPU gets the
+# shorter recipe, a GPU affords the longer one
 CALIB_STEPS = {"cpu": (500, 500), "cuda": (1200, 1200)}
 CALIB_EVAL_SENTENCES = 256  # held-out sentences per evaluation source in the report
 SHARED_KINDS = ("neurons", "linear")  # a shared expert: the most active neurons, or a linear map of that rank
