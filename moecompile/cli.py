@@ -87,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--fp8", action="store_true", required=True,
                    help="float8_e4m3fn experts with 128x128 block scales (HF FineGrainedFP8 layout)")
     q.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
-    q.add_argument("--max-shard-size", default="5GB", help="moecompile checkpoints: shard size (default 5GB)")
+    q.add_argument("--max-shard-size", default=knobs.SHARD_SIZE,
+                   help=f"moecompile checkpoints: shard size (default {knobs.SHARD_SIZE})")
     q.add_argument("--no-progress", action="store_true")
 
     i = sub.add_parser("inspect", help="show MoE blocks of a checkpoint, or the FFNs a model would convert")

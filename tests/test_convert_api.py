@@ -90,6 +90,7 @@ def test_bad_options_raise_before_any_work(folders, tmp_path):
     with pytest.raises(MoECompileError, match="either as a ConvertOptions or as keywords"):
         moecompile.convert(str(folders["llama"]), None, moecompile.ConvertOptions(experts=4), top_k=1)
     assert not (tmp_path / "never").exists()
+    assert moecompile.ConvertOptions(experts=2, dtype=torch.bfloat16).dtype == "bfloat16"
 
 
 CASES = {  # CLI flags -> the same conversion as keywords; one per engine, and FP8 both native and in memory

@@ -7,6 +7,7 @@ import torch
 
 from moecompile.errors import MoECompileError
 from moecompile.ir.knobs import (
+    CALIB_DEVICE,
     CALIB_EVAL_SENTENCES,
     CALIB_SOURCE,
     CALIB_TOKENS,
@@ -86,7 +87,7 @@ class CalibRun:
     eval_sentences: int = CALIB_EVAL_SENTENCES  # held-out sentences for the quality report (0: none)
     layers: str | None = None  # which FFNs (parse_layers syntax); None: all
     model_name: str = ""  # what the report calls the model
-    device: str = "cpu"  # where calibration runs (the model comes back to where it was)
+    device: str = CALIB_DEVICE  # where calibration runs (the model comes back to where it was)
     select_sentences: int = 128  # selection sentences the end-to-end stage is judged on
     vocab_rate: float = 0.0  # share of words replaced by vocabulary words in data.stdlib_mix's substituted part
 

@@ -46,12 +46,12 @@ class ConvertOptions:
     capacity_factor: float | None = None
     layers: str | None = None  # which FFNs: None/"all", "even", "odd" or e.g. "0,2,5-7"
     format: str = "auto"  # knobs.FORMATS: auto (native where the family has one), hf (native or an error), moecompile
-    dtype: str | None = None  # save weights in this dtype (a knobs.DTYPES name)
+    dtype: str | None = None  # save weights in this dtype: a knobs.DTYPES name, or a torch.dtype (kept by name)
     random_init: bool = False  # build the model from its config with random weights
     noise: float = 0.0  # upcycle: relative noise added to each expert copy
     seed: int = 0  # of everything random: random_init weights, routers, noise
     fp8: bool = False  # experts in FP8 (float8_e4m3fn, 128x128 block scales); inference only
-    max_shard_size: str | int = "5GB"
+    max_shard_size: str | int = knobs.SHARD_SIZE
     allow_nonfinite: bool = False  # convert weights holding NaN or infinity (refused by default)
     progress: bool = True
     # calibrated split (method="split"): calib is the text ("mixed", "stdlib" or a file's path); None: no calibration
@@ -64,7 +64,7 @@ class ConvertOptions:
     distill_steps: int | None = None  # None: knobs.calib_steps on `device`
     e2e_steps: int | None = None  # None: knobs.calib_steps on `device`
     eval_sentences: int = knobs.CALIB_EVAL_SENTENCES
-    device: str = "cpu"  # where calibration runs; the checkpoint is the same either way
+    device: str = knobs.CALIB_DEVICE  # where calibration runs; the checkpoint is the same either way
 
     def __post_init__(self):
         knobs.check_experts(self.experts)
@@ -72,6 +72,8 @@ class ConvertOptions:
         knobs.check_method(self.method)
         if self.format not in knobs.FORMATS:
             raise MoECompileError(f"unknown format {self.format!r}; expected one of {', '.join(knobs.FORMATS)}")
+        if self.dtype is not None and not isinstance(self.dtype, str):  # a torch.dtype, named without importing torch
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         if self.dtype is not None and self.dtype not in knobs.DTYPES:
             raise MoECompileError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(sorted(knobs.DTYPES))}")
         if self.capacity_factor is not None and not isinstance(self.capacity_factor, (int, float)):

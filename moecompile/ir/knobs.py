@@ -19,9 +19,11 @@ TOP_K = 2  # experts per token: conversion and MoEConfig
 CAPACITY_FACTOR = 0.0
 METHODS = ("upcycle", "split")
 METHOD = "upcycle"
+SHARD_SIZE = "5GB"  # a written checkpoint's safetensors files are sharded above this size
 FORMATS = ("auto", "hf", "moecompile")  # convert's output: auto = the family's native HF MoE class where one fits
 # the calibrated split's recipe (`convert --method split --calib`): its defaults for the CLI and the benchmarks
 CALIB_SOURCE = "mixed"  # calibration text: "mixed", "stdlib" or a text file's path
+CALIB_DEVICE = "cpu"  # where calibration runs unless told (the checkpoint is the same on any device)
 CALIB_TOKENS = 270000  # about all of the standard library's calibration sentences
 # (layer-wise distillation steps per FFN, end-to-end steps after them) by where calibration runs: a CPU gets the
 # shorter recipe, a GPU affords the longer one
