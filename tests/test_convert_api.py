@@ -135,3 +135,18 @@ def test_knobs_capacity_is_what_route_keeps(capacity_factor, top_k):
     cap = knobs.capacity(capacity_factor, tokens, top_k, experts)
     assert torch.equal(kept, wanted if cap is None else wanted.clamp(max=cap))
     assert knobs.never_drops(capacity_factor, top_k, experts) == (cap is None or cap >= tokens)
+
+
+def test_cli_flags_map_one_to_one_and_defaults_are_the_apis():
+    from moecompile.cli import _convert_options, _parser
+
+    def options(*flags):
+        return _convert_options(_parser().parse_args(["convert", "m", *flags]))
+
+    assert options("--experts", "4") == moecompile.ConvertOptions(experts=4)  # every default is ConvertOptions'
+    given = options("--experts", "8", "--top-k", "3", "--method", "split", "--capacity-factor", "1.5", "--layers",
+                    "odd", "--dtype", "bf16", "--seed", "7", "--calib", "--shared-experts", "1", "--device", "cuda",
+                    "--max-shard-size", "1GB", "--fp8", "--allow-nonfinite", "--no-progress")
+    assert given == moecompile.ConvertOptions(experts=8, top_k=3, method="split", capacity_factor=1.5, layers="odd",
+                                              dtype="bf16", seed=7, calib="mixed", shared_experts=1, device="cuda",
+                                              max_shard_size="1GB", fp8=True, allow_nonfinite=True, progress=False)
