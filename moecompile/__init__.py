@@ -1,6 +1,7 @@
 """moecompile: turn dense or MoE models into Mixture-of-Experts graphs and run them fast.
 
     import moecompile
+    result = moecompile.convert("path/to/llama", "llama-moe8", experts=8, top_k=2)  # a folder in, a folder out
     model = moecompile.moeize(model, experts=16, top_k=2, method="upcycle")
     moecompile.save(model, "gpt2-moe16")
     model = moecompile.load("gpt2-moe16")
@@ -27,6 +28,8 @@ _PUBLIC = {  # name -> module that defines it
     "MoEBlock": "moecompile.ir.block", "MoEExperts": "moecompile.ir.block", "aux_loss": "moecompile.ir.block",
     "MoEConfig": "moecompile.ir.config", "MoEExpertsFP8": "moecompile.ir.fp8", "quantize_fp8": "moecompile.ir.fp8",
     "MoECompileError": "moecompile.errors", "compile": "moecompile.backend", "moeize": "moecompile.conversion.moeize",
+    "convert": "moecompile.conversion.api", "ConvertOptions": "moecompile.conversion.api",
+    "ConversionResult": "moecompile.conversion.api",
     "load": "moecompile.io.checkpoint", "save": "moecompile.io.checkpoint",
     "export_onnx": "moecompile.io.onnx_export", "distribute": "moecompile.distributed",
     "RoutingStats": "moecompile.stats", "routing_metrics": "moecompile.stats", "routing_stats": "moecompile.stats",

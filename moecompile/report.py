@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from moecompile.io import checkpoint
+from moecompile.ir import knobs
 from moecompile.ir.config import MoEConfig
 from moecompile.ir.fp8 import is_fp8
 from moecompile.ir.layout import moe_blocks
@@ -63,7 +64,7 @@ def hf_block_rows(model: nn.Module) -> list[dict]:
     fp8 = getattr(config, "quantization_config", None) is not None
     return [{"path": b.path, "method": record.get("method", "native"), "experts": b.experts, "top_k": b.top_k,
              "expert_size": b.expert_size, "activation": getattr(config, "hidden_act", "?"), "gated": b.gated,
-             "capacity_factor": record.get("capacity_factor", 0.0), "fp8": fp8,
+             "capacity_factor": record.get("capacity_factor", knobs.CAPACITY_FACTOR), "fp8": fp8,
              "params": sum(p.numel() for p in b.module.parameters()), "class": type(b.module).__name__}
             for b in hf_moe_blocks(model)]
 
@@ -83,16 +84,16 @@ def hf_probe_routing(model: nn.Module, tokens: int = 512, seed: int = 0,
         gen = torch.Generator().manual_seed(seed)
         input_ids = torch.randint(0, config.vocab_size, (math.ceil(tokens / seq), seq), generator=gen)
 
-    capacity_factor = (getattr(model.config, "moecompile", None) or {}).get("capacity_factor", 0.0)
+    capacity_factor = (getattr(model.config, "moecompile", None) or {}).get("capacity_factor", knobs.CAPACITY_FACTOR)
     seen, hooks = {}, []
     for b in hf_moe_blocks(model):
         def on_experts(module, args, b=b):
             ids = args[1].reshape(-1)  # (hidden_states, top_k_index, top_k_weights)
             counts = torch.bincount(ids.clamp(max=b.experts), minlength=b.experts + 1)[:b.experts]
             kept = counts
-            if capacity_factor:
-                tokens = ids.numel() // b.top_k
-                kept = counts.clamp(max=max(1, math.ceil(abs(capacity_factor) * tokens * b.top_k / b.experts)))
+            capacity = knobs.capacity(capacity_factor, ids.numel() // b.top_k, b.top_k, b.experts)
+            if capacity is not None:
+                kept = counts.clamp(max=capacity)
             seen.setdefault(b.path, {})["counts"] = kept
             seen[b.path]["dropped"] = (ids.numel() - kept.sum())
 

@@ -306,14 +306,16 @@ def test_default_shared_experts_is_half_of_top_k_at_most_two_routed_and_valid():
 
 
 def test_default_calibration_steps_follow_the_device_and_flags_override_them(monkeypatch):
-    from moecompile.cli import _parser
+    from moecompile.cli import _convert_options, _parser
+    from moecompile.conversion.api import calib_run
     from moecompile.ir import knobs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # CalibRun checks the device exists
     base = ["convert", "tiny-bert", "--experts", "4", "--method", "split", "--calib"]
     for extra, want in [([], knobs.CALIB_STEPS["cpu"]), (["--device", "cuda:1"], knobs.CALIB_STEPS["cuda"]),
                         (["--distill-steps", "7", "--device", "cuda"], (7, knobs.CALIB_STEPS["cuda"][1]))]:
-        recipe = CF.CalibRun.from_args(_parser().parse_args(base + extra)).recipe
+        a = _parser().parse_args(base + extra)
+        recipe = calib_run(a.model, _convert_options(a)).recipe
         assert (recipe.distill_steps, recipe.e2e_steps) == want, extra
     assert knobs.CALIB_STEPS["cpu"] < knobs.CALIB_STEPS["cuda"]  # the CPU's budget is the tighter one
 

@@ -247,7 +247,7 @@ def test_layers_on_llama_does_not_advise_the_flag_given(folders, tmp_path, capsy
     assert "MixtralForCausalLM has no dense layers" in out and "--format moecompile" not in out
     rc, _, err = cli(capsys, "convert", folders["llama"], "--experts", "4", "--layers", "0", "--format", "hf",
                      "--out", tmp_path / "hf", "--no-progress")
-    assert rc == 2 and "--format auto writes moecompile's format" in one_error(err)
+    assert rc == 2 and "format auto writes moecompile's format" in one_error(err)
 
 
 # --------------------------------------------------------------------------------------------------------- signals

@@ -361,7 +361,7 @@ def test_cli_format_choices(sources, tmp_path, capsys):
     assert cli.main(["convert", "tiny-gpt2", "--random-init", "--experts", "4", "--format", "hf", "--out", str(bad),
                      "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("moecompile: error: --format hf: ") and "\n" not in err
+    assert err.startswith("moecompile: error: format hf: ") and "\n" not in err
     assert not bad.exists()
 
 
@@ -597,12 +597,12 @@ def test_cli_split_streams_and_top_k_all_equals_dense(sources, tmp_path, capsys)
         assert want.std() > 0.1 and (model(ids).logits - want).abs().max() < 1e-5
     assert cli.main(_split_args(sources["qwen3"], tmp_path / "top2", "--top-k", "2", "--format", "moecompile")) == 0
     text = capsys.readouterr().out
-    assert "top-2 of 4 experts" in text and "is not the dense model's" in text and "--calib" in text
+    assert "top-2 of 4 experts" in text and "is not the dense model's" in text and "calib" in text
 
 
 def test_cli_split_routing(sources, tmp_path):
     from moecompile import cli
-    from moecompile.conversion import models
+    from moecompile.conversion import api, models
 
     gpt2 = tmp_path / "gpt2"
     transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(gpt2)
@@ -616,9 +616,9 @@ def test_cli_split_routing(sources, tmp_path):
     }
     for (src, extra), want in streamed.items():
         a = cli._parser().parse_args(_split_args(src, tmp_path / "x", *extra))
-        assert (cli._split_stream_source(a, models) is not None) == want, (src, extra)
+        assert (api._split_stream_source(a.model, cli._convert_options(a), models) is not None) == want, (src, extra)
     a = cli._parser().parse_args(["convert", str(sources["llama"]), "--experts", "4", "--format", "moecompile"])
-    assert cli._split_stream_source(a, models) is None  # an upcycle in moecompile's format stays in memory
+    assert api._split_stream_source(a.model, cli._convert_options(a), models) is None  # upcycles stay in memory
 
 
 def test_cli_split_bad_input_leaves_nothing(sources, tmp_path, capsys):

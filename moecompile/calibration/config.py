@@ -6,17 +6,27 @@ from dataclasses import dataclass
 import torch
 
 from moecompile.errors import MoECompileError
-from moecompile.ir.knobs import CALIB_EVAL_SENTENCES, CALIB_TOKENS, CAPACITY_FACTOR, PARTITIONS, calib_steps
+from moecompile.ir.knobs import (
+    CALIB_DEVICE,
+    CALIB_EVAL_SENTENCES,
+    CALIB_SOURCE,
+    CALIB_TOKENS,
+    CAPACITY_FACTOR,
+    EXPERTS,
+    PARTITIONS,
+    SHARED_KINDS,
+    TOP_K,
+)
 
 
 @dataclass
 class CalibConfig:
     """How `calibrate` builds each block. top_k and distill_top_k count the shared experts too."""
-    experts: int = 16  # expert-sized groups of neurons per FFN, shared ones included
-    top_k: int = 4  # active experts per token, shared ones included
+    experts: int = EXPERTS  # expert-sized groups of neurons per FFN, shared ones included
+    top_k: int = TOP_K  # active experts per token, shared ones included
     shared_experts: int = 0  # always-on expert-equivalents (top_k counts them)
-    shared_kind: str = "neurons"  # "neurons": the most active neurons; "linear": a linear map of that rank
-    partition: str = "kmeans"
+    shared_kind: str = SHARED_KINDS[0]  # "neurons": the most active neurons; "linear": a linear map of that rank
+    partition: str = PARTITIONS[0]
     compensation: bool = True
     router_steps: int = 0
     distill_steps: int = 0
@@ -48,7 +58,7 @@ class CalibConfig:
             if not self.shared_experts < k <= self.experts:
                 raise MoECompileError(f"distillation top_k {k} must be between {self.shared_experts + 1} and "
                                       f"{self.experts}")
-        if self.shared_kind not in ("neurons", "linear"):
+        if self.shared_kind not in SHARED_KINDS:
             raise MoECompileError(f"shared_kind must be 'neurons' or 'linear', got {self.shared_kind!r}")
         if self.router_steps < 0 or self.distill_steps < 0 or self.e2e_steps < 0 or self.e2e_judge_every < 0:
             raise MoECompileError("router and distillation steps must be >= 0")
@@ -69,34 +79,23 @@ class CalibConfig:
 
 @dataclass
 class CalibRun:
-    """A whole calibrated conversion (`convert --calib`): where the text comes from, how much of it, which FFNs,
-    how to report, and the per-block recipe."""
+    """A whole calibrated conversion (what moecompile.convert(..., calib=...) builds): where the text comes from,
+    how much of it, which FFNs, how to report, and the per-block recipe."""
     recipe: CalibConfig
-    source: str = "mixed"  # "mixed" (the standard library's text and other projects'), "stdlib" or a text file's path
+    source: str = CALIB_SOURCE  # "mixed" (the standard library's text and other projects'), "stdlib" or a file
     tokens: int = CALIB_TOKENS  # calibration tokens
     eval_sentences: int = CALIB_EVAL_SENTENCES  # held-out sentences for the quality report (0: none)
     layers: str | None = None  # which FFNs (parse_layers syntax); None: all
     model_name: str = ""  # what the report calls the model
-    device: str = "cpu"  # where calibration runs (the model comes back to where it was)
+    device: str = CALIB_DEVICE  # where calibration runs (the model comes back to where it was)
     select_sentences: int = 128  # selection sentences the end-to-end stage is judged on
     vocab_rate: float = 0.0  # share of words replaced by vocabulary words in data.stdlib_mix's substituted part
 
     def __post_init__(self):
         if self.tokens < 1:
-            raise MoECompileError(f"--calib-tokens must be positive, got {self.tokens}")
+            raise MoECompileError(f"calib_tokens must be positive, got {self.tokens}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise MoECompileError(f"--device {self.device}: CUDA is not available here")
-
-    @classmethod
-    def from_args(cls, a) -> CalibRun:
-        """From `moecompile convert`'s parsed arguments (shared experts default to default_shared_experts)."""
-        shared = a.shared_experts if a.shared_experts is not None else default_shared_experts(a.top_k)
-        distill, e2e = calib_steps(a.device, a.distill_steps, a.e2e_steps)
-        recipe = CalibConfig(experts=a.experts, top_k=a.top_k, shared_experts=shared, shared_kind=a.shared_kind,
-                             partition=a.partition, router_steps=a.router_steps, distill_steps=distill,
-                             e2e_steps=e2e, capacity_factor=a.capacity_factor, seed=a.seed)
-        return cls(recipe=recipe, source=a.calib, tokens=a.calib_tokens, eval_sentences=a.eval_sentences,
-                   layers=a.layers, model_name=a.model, device=a.device)
+            raise MoECompileError(f"device {self.device}: CUDA is not available here")
 
 
 def default_shared_experts(top_k: int) -> int:

@@ -19,7 +19,7 @@ converted model computes the dense model's function exactly (up to rounding) unt
 shared expert scaled by sigmoid(shared_expert_gate(x)) > 0: it is written empty (shared_expert_intermediate_size 0,
 zero-size tensors), so it adds exactly 0 and costs nothing; a zero shared expert of any size would cost a dense FFN.
 
-    python -m moecompile.conversion.native SOURCE OUT --experts 8 [--top-k 2] [--dtype bf16] [--max-shard-size 5GB]
+    moecompile.convert(SOURCE, OUT, experts=8, top_k=2)   # or `moecompile convert SOURCE --experts 8 --out OUT`
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from moecompile.io.stream import read_tensor
 
 IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a buffer some old checkpoints stored: recomputed on load
 LIST_RE = re.compile(r"^(.*?)\.(\d+)\.")  # a tensor's first numbered module list: (its path, the index)
-NONFINITE_FLAG = "--allow-nonfinite"  # how the CLI says to convert non-finite weights anyway
+NONFINITE_HINT = "allow_nonfinite=True (--allow-nonfinite) converts it anyway"  # in API terms and the CLI's
 
 
 def source_tensors(directory: Path) -> dict[str, tuple[Path, tuple, str]]:
@@ -142,7 +142,7 @@ def check_finite(name: str, value: torch.Tensor, allow: bool = False) -> torch.T
     if not bool(torch.isfinite(wide).all()):
         bad = int((~torch.isfinite(wide)).sum())
         raise MoECompileError(f"{name} holds {bad} NaN or infinite values of {value.numel()}: not a usable model "
-                              f"(pass {NONFINITE_FLAG} to convert it anyway)")
+                              f"({NONFINITE_HINT})")
     return value
 
 

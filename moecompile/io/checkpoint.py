@@ -30,7 +30,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from moecompile.errors import MoECompileError
-from moecompile.ir import fp8, layout
+from moecompile.ir import fp8, knobs, layout
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import MoEConfig
 
@@ -40,7 +40,7 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 GENERATION_CONFIG = "generation_config.json"
-DEFAULT_SHARD_SIZE = "5GB"
+DEFAULT_SHARD_SIZE = knobs.SHARD_SIZE
 # config.json model_type of moecompile's format: transformers' refusal quotes it (see the module docstring)
 MODEL_TYPE = "moecompile-checkpoint: load it with moecompile.load"
 MODEL_TYPES = (MODEL_TYPE, "moecompile")  # and the one written before

@@ -33,6 +33,7 @@ from torch import fx, nn
 from moecompile.errors import MoECompileError
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import MoEConfig
+from moecompile.ir.knobs import never_drops
 from moecompile.ir.layout import moe_blocks
 
 OPSET = 20  # Gelu(approximate=...) is an ONNX op from opset 20
@@ -52,12 +53,6 @@ def _onnx():
 
 
 # ---------------------------------------------------------------- which path a block takes
-
-def never_drops(capacity_factor: float, top_k: int, num_experts: int) -> bool:
-    """True when route() can never drop an assignment: dropless, or a capacity ceil(|cf| T k / E) >= T, which
-    every expert's queue fits (a token picks an expert at most once, so a queue never exceeds T)."""
-    return capacity_factor == 0 or abs(capacity_factor) * top_k >= num_experts
-
 
 def contrib_reason(config: MoEConfig, dtype: torch.dtype) -> str | None:
     """None when com.microsoft::MoE reproduces the block exactly, otherwise why it does not."""

@@ -93,9 +93,11 @@ class MoEBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k: int | None = None,
                 capacity_factor: float | None = None) -> torch.Tensor:
         c = self.config
-        top_k = c.top_k if top_k is None else top_k
+        if top_k is None:
+            top_k = c.top_k  # checked when the config was made
+        else:
+            check_top_k(top_k, c.num_experts, low=0 if self.shared is not None else 1, error=ValueError)
         capacity_factor = c.capacity_factor if capacity_factor is None else capacity_factor
-        check_top_k(top_k, c.num_experts, low=0 if self.shared is not None else 1, error=ValueError)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if top_k == 0:  # the shared expert alone

@@ -1,10 +1,13 @@
 """The conversion knobs (experts, top_k, capacity_factor, method): each default and each check, decided here once.
 
-Every entry point (the CLI, moecompile.moeize, the graph pass moeize, MoEConfig, MoEBlock's per-call top_k,
-calibration) calls these. Torch-free: the CLI checks its arguments with them before importing torch, so that a
-bad flag fails in well under a second. What capacity_factor means: MoEConfig's docstring.
+Every entry point (moecompile.convert's ConvertOptions, which the CLI fills, moecompile.moeize, the graph pass
+moeize, MoEConfig, MoEBlock's per-call top_k, calibration) calls these. Torch-free: a bad option fails before torch
+is imported. What capacity_factor means: MoEConfig's docstring; what it keeps and when it drops: capacity and
+never_drops below.
 """
 from __future__ import annotations
+
+import math
 
 from moecompile.errors import MoECompileError
 
@@ -16,13 +19,17 @@ TOP_K = 2  # experts per token: conversion and MoEConfig
 CAPACITY_FACTOR = 0.0
 METHODS = ("upcycle", "split")
 METHOD = "upcycle"
+SHARD_SIZE = "5GB"  # a written checkpoint's safetensors files are sharded above this size
 FORMATS = ("auto", "hf", "moecompile")  # convert's output: auto = the family's native HF MoE class where one fits
 # the calibrated split's recipe (`convert --method split --calib`): its defaults for the CLI and the benchmarks
+CALIB_SOURCE = "mixed"  # calibration text: "mixed", "stdlib" or a text file's path
+CALIB_DEVICE = "cpu"  # where calibration runs unless told (the checkpoint is the same on any device)
 CALIB_TOKENS = 270000  # about all of the standard library's calibration sentences
-# (layer-wise distillation steps per FFN, end-to-end steps after them) by where calibration runs: the CPU's fit the
-# 10-minute budget of 2 cores on all-MiniLM-L6-v2; a GPU affords the longer recipe
+# (layer-wise distillation steps per FFN, end-to-end steps after them) by where calibration runs: a CPU gets the
+# shorter recipe, a GPU affords the longer one
 CALIB_STEPS = {"cpu": (500, 500), "cuda": (1200, 1200)}
 CALIB_EVAL_SENTENCES = 256  # held-out sentences per evaluation source in the report
+SHARED_KINDS = ("neurons", "linear")  # a shared expert: the most active neurons, or a linear map of that rank
 PARTITIONS = ("kmeans", "graph", "random", "weights")  # how neurons are grouped into experts
 # dtype names a user may type -> torch dtype names (the CLI maps them without importing torch)
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -34,6 +41,20 @@ def calib_steps(device: str, distill_steps: int | None = None, e2e_steps: int | 
     (not None), else its default there."""
     distill, e2e = CALIB_STEPS["cuda" if device.startswith("cuda") else "cpu"]
     return (distill if distill_steps is None else distill_steps, e2e if e2e_steps is None else e2e_steps)
+
+
+def capacity(capacity_factor: float, tokens: int, top_k: int, experts: int) -> int | None:
+    """Assignments an expert keeps of `tokens` tokens (MoEConfig's convention): None when dropless (0), else
+    ceil(|cf| * tokens * top_k / experts), at least 1."""
+    if capacity_factor == 0:
+        return None
+    return max(1, math.ceil(abs(capacity_factor) * tokens * top_k / experts))
+
+
+def never_drops(capacity_factor: float, top_k: int, experts: int) -> bool:
+    """True when routing can never drop an assignment: dropless, or a capacity >= the tokens, which every expert's
+    queue fits (a token picks an expert at most once, so a queue never exceeds the tokens)."""
+    return capacity_factor == 0 or abs(capacity_factor) * top_k >= experts
 
 
 def _is_int(value) -> bool:
