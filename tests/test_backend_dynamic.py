@@ -86,3 +86,41 @@ def test_converted_models_on_dynamic_shapes(family, method, capacity_factor, dyn
     assert dict(record.reports)["fuse_route_dispatch"]["fused"]
     assert len(moe_nodes(record.graph_module, "route_dispatch")) == 1
     assert len(moe_nodes(record.graph_module, "experts")) == 1
+
+
+def test_recorded_capacity_factor_applies_alike():
+    """A converted model's config records a capacity factor (config.json's "moecompile" entry): torch.compile with
+    the backend and moecompile.compile both apply it, and give the same outputs; the caller's option overrides it."""
+    model = _one_moe_layer(tiny_moe("tiny-mixtral"))
+    model.config.moecompile = {"capacity_factor": 0.5}  # few enough rows per expert that assignments drop
+    ids = token_ids()
+
+    def logits(compiled):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            return compiled(ids, use_cache=False).logits
+
+    with torch.no_grad():
+        dropless = model(ids, use_cache=False).logits
+    by_backend = logits(torch.compile(model, backend="moecompile", options=NO_INDUCTOR))
+    by_compile = logits(moecompile.compile(model, **NO_INDUCTOR))
+    asked = logits(torch.compile(model, backend="moecompile", options={**NO_INDUCTOR, "capacity_factor": 0.5}))
+    overridden = logits(torch.compile(model, backend="moecompile", options={**NO_INDUCTOR, "capacity_factor": 0.0}))
+    assert torch.equal(by_backend, by_compile) and torch.equal(by_backend, asked)
+    assert (by_backend - dropless).abs().max() > 1e-3  # the recorded capacity dropped assignments
+    torch.testing.assert_close(overridden, dropless, rtol=1e-5, atol=1e-5)
+    assert [dict(r.reports)["set_capacity"].get("capacity_factor") for r in backend.records()] == [0.5, 0.5, 0.5, 0.0]
+
+
+def test_generate_on_a_split_checkpoint_matches_hf(tmp_path):
+    """moecompile.generate (prefill and decode step compiled with the backend) on a split checkpoint as
+    `moecompile convert --method split` streams it from a LLaMA folder: HF's greedy tokens."""
+    from moecompile.conversion.split_stream import split_checkpoint
+
+    make_tiny_model("llama", num_hidden_layers=1).save_pretrained(tmp_path / "dense")
+    split_checkpoint(tmp_path / "dense", tmp_path / "split", 4, top_k=2, capacity_factor=0.0, seed=0, progress=False)
+    model = moecompile.load(tmp_path / "split").eval()
+    ids = tiny_token_ids(seq=6)
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(moecompile.generate(model, ids, 4, options=NO_INDUCTOR), expected)
+    assert all(dict(r.reports)["fuse_route_dispatch"]["fused"] for r in _compiled_graphs())
