@@ -124,12 +124,12 @@ def _routing(router: list[fx.Node], experts: list[fx.Node]) -> dict:
             "num_experts": tensor(weight).shape[0], "scoring": scoring}
     # GPT-OSS: softmax over the top-k logits == softmax over all, top-k, renormalised
     info["renormalize"] = any(s in after for s in softmaxes) or any(kind(n) == "div" for n in after)
-    for n in after:
-        if kind(n) == "mul" and len(scalar_args(n)) == 1 and len(n.all_input_nodes) == 1 + symbolic_number(
-                scalar_args(n)[0]):
-            if symbolic_number(scalar_args(n)[0]):
-                raise NotRecognised("the routing weights are scaled by a graph input, not a constant")
-            info["scaling_factor"] *= float(scalar_args(n)[0])
+    scales = [scalar_args(n)[0] for n in after if kind(n) == "mul" and len(scalar_args(n)) == 1
+              and len(n.all_input_nodes) == 1 + symbolic_number(scalar_args(n)[0])]
+    if any(symbolic_number(a) for a in scales) and len(scales) > 1:
+        raise NotRecognised("the routing weights are scaled more than once, by a graph input among others")
+    for a in scales:  # a graph input (dynamic=True) is passed on as it is
+        info["scaling_factor"] = a if symbolic_number(a) else info["scaling_factor"] * float(a)
     if len(topks) == 3:  # DeepSeek-V3: group score = sum of the two best, keep topk_group groups, then top-k
         grouped = tensor(arg(topks[0], "input"))
         if grouped is None or grouped.dim() != 3 or arg(topks[0], "k") != min(2, grouped.shape[-1]):
@@ -280,8 +280,8 @@ def _rewrite(gm: fx.GraphModule, path: str, block: dict) -> str:
         desc.append("correction bias")
     if r["n_group"] > 1:
         desc.append(f"{r['topk_group']} of {r['n_group']} groups")
-    if r["scaling_factor"] != 1.0:
-        desc.append(f"scaled x{r['scaling_factor']:g}")
+    if symbolic_number(r["scaling_factor"]) or r["scaling_factor"] != 1.0:
+        desc.append(f"scaled x{_describe(r['scaling_factor'])}")
     desc.append(x["activation"] + (f" (alpha {_describe(x['alpha'])}, limit {_describe(x['limit'])})"
                                    if x["activation"] == "swiglu_oai" else ""))
     if x["interleaved"]:
