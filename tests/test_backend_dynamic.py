@@ -20,6 +20,7 @@ DYNAMIC = pytest.mark.parametrize("dynamic", [None, True], ids=["second-length",
 def _errors_raise():
     """A failing compile must fail the test, not run eagerly."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     backend.clear_records()
     with torch._dynamo.config.patch(suppress_errors=False):
         yield
@@ -38,8 +39,13 @@ def _symbolic(gm) -> bool:
 
 
 def _compiled_graphs() -> list:
-    """The graphs the backend compiled that compute something (Dynamo may also hand over an empty one)."""
-    return [r for r in backend.records() if any(n.op == "call_function" for n in r.graph_module.graph.nodes)]
+    """The records of the graphs Dynamo installed, each compiled by the backend: the last records (under
+    dynamic=True Dynamo may trace a frame twice, turning a float into a graph input the second time, and empty
+    the graph it dropped)."""
+    installed = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    kept = [r for r in backend.records() if any(n.op == "call_function" for n in r.graph_module.graph.nodes)]
+    assert len(kept) == installed, (len(kept), installed)
+    return kept
 
 
 def _check_lengths(model, dynamic, make_ids=token_ids, **options):
