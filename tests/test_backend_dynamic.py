@@ -130,3 +130,36 @@ def test_generate_on_a_split_checkpoint_matches_hf(tmp_path):
     expected = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(moecompile.generate(model, ids, 4, options=NO_INDUCTOR), expected)
     assert all(dict(r.reports)["fuse_route_dispatch"]["fused"] for r in _compiled_graphs())
+
+
+def test_fp8_and_training_graphs_on_dynamic_shapes():
+    """insert_fp8 (inference) and keep_first_projection (a training graph) on dynamic=True graphs: FP8 logits
+    within FP8's error of eager, gradients equal to eager's, at two lengths each from one graph."""
+    model = _one_moe_layer(tiny_moe("tiny-qwen3-moe"))
+    compiled = torch.compile(model, backend="moecompile", fullgraph=True, dynamic=True,
+                             options={**NO_INDUCTOR, "fp8": True})
+    with torch.no_grad():
+        for length in (FIRST, SECOND):
+            ids = token_ids(length=length)
+            got, want = compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits
+            assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+    (record,) = _compiled_graphs()
+    assert _symbolic(record.graph_module) and dict(record.reports)["insert_fp8"]["rewritten"]
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    backend.clear_records()
+    model.train()
+    compiled = torch.compile(model, backend="moecompile", fullgraph=True, dynamic=True, options=NO_INDUCTOR)
+    for length in (FIRST, SECOND):
+        ids = token_ids(length=length)
+        grads = []
+        for run in (compiled, model):
+            model.zero_grad()
+            run(ids, use_cache=False).logits.square().mean().backward()
+            grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        assert len(grads[0]) == len(grads[1]) > 0
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    (record,) = _compiled_graphs()
+    assert record.moe_blocks == 1 and dict(record.reports)["keep_first_projection"]["experts_train"]
