@@ -110,12 +110,11 @@ def test_recorded_capacity_factor_applies_alike():
         dropless = model(ids, use_cache=False).logits
     by_backend = logits(torch.compile(model, backend="moecompile", options=NO_INDUCTOR))
     by_compile = logits(moecompile.compile(model, **NO_INDUCTOR))
-    asked = logits(torch.compile(model, backend="moecompile", options={**NO_INDUCTOR, "capacity_factor": 0.5}))
     overridden = logits(torch.compile(model, backend="moecompile", options={**NO_INDUCTOR, "capacity_factor": 0.0}))
-    assert torch.equal(by_backend, by_compile) and torch.equal(by_backend, asked)
+    assert torch.equal(by_backend, by_compile)
     assert (by_backend - dropless).abs().max() > 1e-3  # the recorded capacity dropped assignments
     torch.testing.assert_close(overridden, dropless, rtol=1e-5, atol=1e-5)
-    assert [dict(r.reports)["set_capacity"].get("capacity_factor") for r in backend.records()] == [0.5, 0.5, 0.5, 0.0]
+    assert [dict(r.reports)["set_capacity"].get("capacity_factor") for r in backend.records()] == [0.5, 0.5, 0.0]
 
 
 def test_generate_on_a_split_checkpoint_matches_hf(tmp_path):
