@@ -31,7 +31,7 @@ _PUBLIC = {  # name -> module that defines it
     "convert": "moecompile.conversion.api", "ConvertOptions": "moecompile.conversion.api",
     "ConversionResult": "moecompile.conversion.api",
     "load": "moecompile.io.checkpoint", "save": "moecompile.io.checkpoint",
-    "export_onnx": "moecompile.io.onnx_export", "distribute": "moecompile.distributed",
+    "export_onnx": "moecompile.io.onnx_export", "distribute": "moecompile.parallel.sharded",
     "RoutingStats": "moecompile.stats", "routing_metrics": "moecompile.stats", "routing_stats": "moecompile.stats",
     "track_routing": "moecompile.stats", "generate": "moecompile.generation", "Generator": "moecompile.generation",
 }

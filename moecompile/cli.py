@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.ir import knobs  # torch-free: the arguments are checked before any heavy import
 
 
@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("out", help="output folder (must not exist or be empty)")
     g.add_argument("--no-progress", action="store_true")
     x = ks.add_parser("export-dcp", help="write a torch.distributed.checkpoint (DCP) checkpoint as one folder")
-    x.add_argument("source", help="a folder written by moecompile.io.dcp.save, from any number of ranks")
+    x.add_argument("source", help="a folder written by moecompile.parallel.dcp.save, from any number of ranks")
     x.add_argument("out", help="output folder (must not exist or be empty)")
     x.add_argument("--no-progress", action="store_true")
     return p
@@ -370,7 +370,7 @@ def checkpoint_cmd(a) -> int:
         out = ep_checkpoint.scatter(a.source, a.out, a.world_size, progress=not a.no_progress)
         print(f"scattered {a.source} into {a.world_size} expert shards: {out}")
     elif a.action == "export-dcp":
-        from moecompile.io import dcp
+        from moecompile.parallel import dcp
 
         out = dcp.export(a.source, a.out)
         print(f"exported DCP checkpoint {a.source} into one checkpoint: {out}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.ir.layout import moe_blocks
 
 

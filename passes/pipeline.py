@@ -15,7 +15,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
-from moecompile import settings
+from moecompile.core import settings
 from moecompile.passes.direct_experts import direct_experts
 from moecompile.passes.find_ffn import find_ffn
 from moecompile.passes.fuse_projections import fuse_projections

@@ -20,7 +20,7 @@ from moecompile.calibration.router import fit_router_and_compensation
 from moecompile.calibration.shared import fit_linear_shared
 from moecompile.calibration.tokens import collect_ffn_inputs
 from moecompile.conversion.moeize import DenseFFN, find_dense_ffns, parse_layers
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.ir import layout
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.knobs import check_split

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from moecompile.conversion.moeize import DenseFFN
-from moecompile.ir.activations import expert_activation
+from moecompile.core.activations import expert_activation
 
 
 def ffn_hidden(ffn: DenseFFN, x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from moecompile.calibration.dense import ffn_hidden
 from moecompile.conversion.moeize import DenseFFN, balanced_kmeans, build_block
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import MoEConfig
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.ir import knobs
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from torch import fx, nn
 from tqdm.auto import tqdm
 
 from moecompile.conversion.frontend import capture, module_scopes
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.ir import layout
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import MoEConfig

@@ -33,7 +33,7 @@ import torch
 
 from moecompile.conversion import validate
 from moecompile.conversion.moeize import ROUTER_STD, parse_layers, upcycle_copy, upcycle_router
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.io.checkpoint import (
     DEFAULT_SHARD_SIZE,
     NATIVE_RECORD,

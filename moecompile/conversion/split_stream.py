@@ -23,7 +23,7 @@ import torch
 from moecompile.conversion import validate
 from moecompile.conversion.moeize import block_config, build_block, check_ffns, check_options, dense_ffn, parse_layers
 from moecompile.conversion.native import LAYER_RE, check_source, family_support, natural_key, parse_dtype
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.io.checkpoint import (
     CONFIG,
     DEFAULT_SHARD_SIZE,
