@@ -200,7 +200,7 @@ def _graph_reports(model, show_graphs: bool) -> list[dict]:
     """Compile model with the moecompile backend (no inductor) on a probe input; the reports of each graph."""
     from moecompile.backend import clear_records, records
     from moecompile.backend import compile as moe_compile
-    from moecompile.conversion.frontend import example_inputs
+    from moecompile.passes.capture import example_inputs
 
     args, kwargs = example_inputs(model)
     import torch
@@ -216,8 +216,8 @@ def _graph_reports(model, show_graphs: bool) -> list[dict]:
 def inspect_cmd(a) -> int:
     from moecompile import report
     from moecompile.conversion import models
-    from moecompile.conversion.moeize import find_dense_ffns
     from moecompile.io import checkpoint
+    from moecompile.passes.find_ffn import find_dense_ffns
 
     progress = not a.no_progress
     if a.graph:

@@ -14,8 +14,8 @@ The implementation lives in moecompile.parallel; this module is its documented p
 """
 from moecompile.ir.sharding import EXPERT_TENSORS, local_experts
 from moecompile.parallel.all_to_all import expert_parallel_experts, trace_expert_parallel
-from moecompile.parallel.checkpoint import load, save
 from moecompile.parallel.groups import DEFAULT_TIMEOUT_S, init
+from moecompile.parallel.save_load import load, save
 from moecompile.parallel.sharded import (
     PARALLEL_MODES,
     ExpertParallelExperts,

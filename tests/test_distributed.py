@@ -201,7 +201,7 @@ def _model_checks(rank, world, tmp: Path, out):
 
 def _graph_checks(rank, world, out, degree):
     """The graph view: insert_all_to_all on a captured, moeized GPT-2 against the single-process graph."""
-    from moecompile.conversion.frontend import capture
+    from moecompile.passes.capture import capture
     from moecompile.passes.pipeline import run_pipeline
 
     model = _tiny_gpt2_dense()

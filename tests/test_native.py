@@ -369,7 +369,7 @@ def test_cli_format_choices(sources, tmp_path, capsys):
 def test_streaming_equals_in_memory_upcycle(sources, tmp_path, noise):
     """The streaming native path writes bit for bit the tensors that moeize builds in memory from the same model and
     seed: expert copies (and their noise), routers, everything else."""
-    from moecompile.conversion.moeize import moeize
+    from moecompile.conversion.in_memory import moeize
 
     src = sources["llama"]
     upcycle_native(src, tmp_path / "moe", experts=4, top_k=2, seed=3, noise=noise, progress=False)
@@ -529,8 +529,8 @@ def _mlp_biased(sources, tmp_path) -> Path:
 
 def _in_memory_split(src: Path, out: Path, dtype=None, **kw) -> None:
     """What `convert --method split` wrote before it streamed: the model loaded, moeize'd and saved."""
+    from moecompile.conversion.in_memory import moeize
     from moecompile.conversion.models import load_source
-    from moecompile.conversion.moeize import moeize
     from moecompile.io import checkpoint
 
     model = load_source(str(src), progress=False).model.eval()
