@@ -26,23 +26,24 @@ def _modules() -> dict[str, Path]:
 
 
 def _imported(module: str, path: Path, modules: dict[str, Path]):
-    """(imported module of this tree, the ast node) for every import in the file, function-level ones included."""
+    """(imported module of this tree, the ast node, the alias) for every import in the file, function-level ones
+    included."""
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            names = [(a.name, a) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            names = [(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base, a) for a in node.names]
         else:
             continue
-        for name in names:
+        for name, alias in names:
             while name and name not in modules:
                 name = name.rpartition(".")[0]
             if name and name != module:
-                yield name, node
+                yield name, node, alias
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def graph() -> nx.DiGraph:
     g = nx.DiGraph()
     for module, path in modules.items():
         g.add_node(module, path=path)
-        for target, node in _imported(module, path, modules):
+        for target, node, _ in _imported(module, path, modules):
             g.add_edge(module, target, line=node.lineno)
     return g
 
@@ -64,6 +65,61 @@ def test_tree_is_read(graph):
 def test_no_import_cycles(graph):
     cycles = list(nx.simple_cycles(graph))
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def _package(module: str, graph: nx.DiGraph) -> str:
+    """The package a module belongs to: a subpackage of moecompile (moecompile.ir, moecompile.passes, ...), or the
+    top-level module itself (moecompile.cli, moecompile.backend, ...)."""
+    parts = module.split(".")
+    if len(parts) > 2 or graph.nodes[module]["path"].name == "__init__.py":
+        return ".".join(parts[:2])
+    return module
+
+
+@pytest.fixture(scope="module")
+def packages(graph) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for src, dst, line in graph.edges(data="line"):
+        a, b = _package(src, graph), _package(dst, graph)
+        if a != b:
+            g.add_edge(a, b)
+            g.edges[a, b].setdefault("why", []).append(f"{src}:{line} -> {dst}")
+    return g
+
+
+def test_no_package_cycles(packages):
+    """Packages form layers: core < kernels < runtime < ir < io < parallel < ffn < passes < calibration <
+    conversion (docs/architecture.md); an import against that direction shows as a cycle here."""
+    assert {"moecompile.core", "moecompile.ir", "moecompile.parallel", "moecompile.ffn"} <= set(packages)
+    cycles = list(nx.simple_cycles(packages))
+    assert not cycles, "; ".join(" -> ".join(c) + " (" + ", ".join(
+        packages.edges[a, b]["why"][0] for a, b in zip(c, c[1:] + c[:1])) + ")" for c in cycles)
+
+
+def _private_uses(module: str, path: Path, modules: dict[str, Path]):
+    """(line, module of the tree, name) for each `_name` (dunders excepted) this file imports from another module of
+    the tree, or reads as an attribute of a module of the tree it imported."""
+    aliases = {}  # local name -> the module of the tree it is bound to
+    for target, node, a in _imported(module, path, modules):
+        if isinstance(node, ast.Import):
+            if a.asname and a.name == target:
+                aliases[a.asname] = target
+        elif target.endswith(f".{a.name}"):  # a module imported from its package
+            aliases[a.asname or a.name] = target
+        elif a.name.startswith("_") and not a.name.startswith("__"):
+            yield node.lineno, target, a.name
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            yield node.lineno, aliases[node.value.id], node.attr
+
+
+def test_no_private_name_crosses_a_package(graph):
+    modules = _modules()
+    wrong = [f"{module}:{line} uses {target}.{name}" for module, path in graph.nodes(data="path")
+             for line, target, name in _private_uses(module, path, modules)
+             if _package(target, graph) != _package(module, graph)]
+    assert not wrong, wrong
 
 
 def test_kernels_are_imported_by_the_runtime_only(graph):
