@@ -15,6 +15,7 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 def first_line(e: BaseException) -> str:
+    """The first line of an error's message (its type name when it has none): one-line MoECompileErrors."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
