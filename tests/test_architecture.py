@@ -170,3 +170,13 @@ def test_a_leaf_imports_first_in_a_fresh_interpreter(first):
     code = f"import {first}; import moecompile, torch; moecompile.MoEBlock; assert torch.ops.moecompile.route"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_every_subpackage_is_installed():
+    """pyproject's package list names every package of the tree (a wheel leaves out one it does not name)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "moecompile").rglob("__init__.py")}
+    found |= {package for folder, package in FOLDERS.items() if folder != "moecompile"}
+    assert found <= listed, sorted(found - listed)
