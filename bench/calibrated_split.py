@@ -5,7 +5,7 @@ text of the calibration's own domain and of several others.
         [--device cpu] [--set FIELD=VALUE ...] [--monitor 0] [--checkpoints DIR ...]
         [--out bench/results/calibrated-split.md]
 
-Each run is one `convert --calib mixed` calibration (moecompile.calibration.report.run_calibration, the CLI's own
+Each run is one `convert --calib mixed` calibration (moecompile.calibration.run.run_calibration, the CLI's own
 code) in a fresh process, with the CLI defaults unless a flag changes them:
 - recipe@k: the default recipe distilled at top_k = k (one checkpoint per k in --recipe-k), its steps the CLI's for
   --device and any CalibConfig field changed by --set (e.g. --set shared_experts=3 --set e2e_lr=0.001),
@@ -31,7 +31,7 @@ import torch
 from moecompile.calibration import data as calib_data
 from moecompile.calibration.config import CalibConfig, CalibRun, default_shared_experts
 from moecompile.calibration.evaluate import ffn_flops, model_outputs, quality_curve, worst_source
-from moecompile.calibration.report import IN_DOMAIN, run_calibration
+from moecompile.calibration.run import IN_DOMAIN, run_calibration
 from moecompile.calibration.tokens import load_tokenizer, token_batches
 from moecompile.conversion import models
 from moecompile.ir import knobs

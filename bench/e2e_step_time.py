@@ -13,7 +13,7 @@ import torch
 from moecompile.calibration.calibrate import calibrate_model
 from moecompile.calibration.config import CalibConfig, default_shared_experts
 from moecompile.calibration.e2e import distill_end_to_end
-from moecompile.calibration.report import calibration_texts
+from moecompile.calibration.run import calibration_texts
 from moecompile.calibration.tokens import last_hidden, load_tokenizer, token_batches
 from moecompile.conversion import models
 

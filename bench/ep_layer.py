@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from moecompile import MoEBlock, MoEConfig
 from moecompile import distributed as ep
+from moecompile.parallel.all_to_all import exchange_counts
 
 SHAPES = {  # name: (d, f, E, k, tokens per rank)
     "tiny": (64, 128, 8, 2, 512),
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     rows.append(("DP (expert weights all-gathered)", timed(fwd_dp, args.reps, device),
                  timed(train_dp, args.reps, device), f"{err.item():.1e}"))
     offsets = torch.cumsum(torch.full((e,), tokens * k // e, device=device), 0).to(torch.int32)
-    counts_ms = timed(lambda: ep.exchange_counts(offsets, tokens * k, world, e // world, 1,
+    counts_ms = timed(lambda: exchange_counts(offsets, tokens * k, world, e // world, 1,
                                                  sharded.group_name), args.reps, device)
     if rank == 0:
         name = torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine()

@@ -30,7 +30,7 @@ import moecompile
 from moecompile.calibration import data as calib_data
 from moecompile.calibration.tokens import load_tokenizer, token_batches
 from moecompile.conversion import models
-from moecompile.ir import fp8_format as K
+from moecompile.core import fp8_format as K
 from moecompile.kernels import reference
 from moecompile.runtime import registry
 

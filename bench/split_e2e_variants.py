@@ -32,7 +32,7 @@ from moecompile.calibration.distill import ADAM_OPTIONS, one_cycle
 from moecompile.calibration.e2e import distill_end_to_end, embedding_loss
 from moecompile.calibration.evaluate import model_outputs, quality
 from moecompile.calibration.masked import masked_forward
-from moecompile.calibration.report import calibration_texts
+from moecompile.calibration.run import calibration_texts
 from moecompile.calibration.tokens import last_hidden, load_tokenizer, model_kwargs, token_batches
 from moecompile.conversion import models
 from moecompile.ir.block import MoEBlock

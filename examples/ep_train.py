@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import moecompile
 from moecompile import distributed as ep
-from moecompile import settings
+from moecompile.core import settings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,7 +84,7 @@ def build_model(args) -> torch.nn.Module:
 def train(args) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from moecompile.io import dcp
+    from moecompile.parallel import dcp
 
     group = ep.init(timeout=args.timeout)
     rank, world = dist.get_rank(group), dist.get_world_size(group)

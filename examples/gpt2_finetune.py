@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import moecompile
 from moecompile.conversion import models
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.examples.common import add_moe_args, apply_threads
 from moecompile.io import checkpoint
 from moecompile.plot import curve_figure, require_matplotlib, save_png

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import moecompile
-from moecompile import settings
+from moecompile.core import settings
 from moecompile.examples.common import add_moe_args, apply_threads
 from moecompile.report import human, parameter_counts
 

@@ -8,7 +8,7 @@ Layout conventions shared by every kernel:
   expert e's group (torch._grouped_mm's convention), so rows >= offsets[-1] are the dropped ones.
 - experts() here writes zeros to the dropped rows; device kernels may leave them unspecified, so combine() reads
   only the rows of assignments with a nonzero weight.
-- quantize_fp8() / experts_fp8() are the FP8 (e4m3, inference-only) forms; moecompile/ir/fp8_format.py fixes their
+- quantize_fp8() / experts_fp8() are the FP8 (e4m3, inference-only) forms; moecompile/core/fp8_format.py fixes their
   scales.
 - No kernel synchronises with the host except experts(), which walks the groups on the host (outside CUDA-graph
   capture): route and dispatch count with scatter_add rather than bincount (whose output size depends on the data).
@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from moecompile.ir import fp8_format as fp8
-from moecompile.ir.activations import expert_activation, expert_activation_backward
+from moecompile.core import fp8_format as fp8
+from moecompile.core.activations import expert_activation, expert_activation_backward
 
 
 def capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
@@ -234,7 +234,7 @@ def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: 
 
 
 def quantize_fp8(x, group: int):
-    """Per row per `group` channels: (x_fp8, scale_inv) with x ≈ x_fp8 * scale_inv (moecompile/ir/fp8_format.py)."""
+    """Per row per `group` channels: (x_fp8, scale_inv) with x ≈ x_fp8 * scale_inv (moecompile/core/fp8_format.py)."""
     return fp8.quantize_groups(x, group)
 
 

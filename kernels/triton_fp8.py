@@ -4,7 +4,7 @@
   scale_inv each, activations per token per 128 channels (x ≈ x_fp8 * scale_inv). Each K step of 128 multiplies its
   partial product by the two scales (DeepGEMM's "promotion"), so accumulation stays float32. Pointer loads.
 - rowwise: activations with one scale per row, weights one per output channel (converted from the blocks,
-  moecompile/ir/fp8_format.py's rowwise_from_blocks), so the K loop only accumulates and the scales come after it:
+  moecompile/core/fp8_format.py's rowwise_from_blocks), so the K loop only accumulates and the scales come after it:
   no wgmma wait per K step. Persistent kernel with TMA loads (Hopper).
 
 first projection: act(x W_in^T + b) quantised again per token per 128 channels in the epilogue -> fp8 + scales
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moecompile import settings
+from moecompile.core import settings
 from moecompile.kernels.triton_moe import (
     ACTIVATION_IDS,
     _activation,

@@ -27,11 +27,11 @@ if not (_Path(__file__).parent / "kernels").is_dir() and (_checkout / "kernels")
 _PUBLIC = {  # name -> module that defines it
     "MoEBlock": "moecompile.ir.block", "MoEExperts": "moecompile.ir.block", "aux_loss": "moecompile.ir.block",
     "MoEConfig": "moecompile.ir.config", "MoEExpertsFP8": "moecompile.ir.fp8", "quantize_fp8": "moecompile.ir.fp8",
-    "MoECompileError": "moecompile.errors", "compile": "moecompile.backend", "moeize": "moecompile.conversion.moeize",
-    "convert": "moecompile.conversion.api", "ConvertOptions": "moecompile.conversion.api",
-    "ConversionResult": "moecompile.conversion.api",
+    "MoECompileError": "moecompile.errors", "compile": "moecompile.backend",
+    "moeize": "moecompile.conversion.in_memory", "convert": "moecompile.conversion.api",
+    "ConvertOptions": "moecompile.conversion.api", "ConversionResult": "moecompile.conversion.api",
     "load": "moecompile.io.checkpoint", "save": "moecompile.io.checkpoint",
-    "export_onnx": "moecompile.io.onnx_export", "distribute": "moecompile.distributed",
+    "export_onnx": "moecompile.io.onnx_export", "distribute": "moecompile.parallel.sharded",
     "RoutingStats": "moecompile.stats", "routing_metrics": "moecompile.stats", "routing_stats": "moecompile.stats",
     "track_routing": "moecompile.stats", "generate": "moecompile.generation", "Generator": "moecompile.generation",
 }

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 
 log = logging.getLogger("moecompile")
 

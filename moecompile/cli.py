@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.ir import knobs  # torch-free: the arguments are checked before any heavy import
 
 
@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("out", help="output folder (must not exist or be empty)")
     g.add_argument("--no-progress", action="store_true")
     x = ks.add_parser("export-dcp", help="write a torch.distributed.checkpoint (DCP) checkpoint as one folder")
-    x.add_argument("source", help="a folder written by moecompile.io.dcp.save, from any number of ranks")
+    x.add_argument("source", help="a folder written by moecompile.parallel.dcp.save, from any number of ranks")
     x.add_argument("out", help="output folder (must not exist or be empty)")
     x.add_argument("--no-progress", action="store_true")
     return p
@@ -200,7 +200,7 @@ def _graph_reports(model, show_graphs: bool) -> list[dict]:
     """Compile model with the moecompile backend (no inductor) on a probe input; the reports of each graph."""
     from moecompile.backend import clear_records, records
     from moecompile.backend import compile as moe_compile
-    from moecompile.conversion.frontend import example_inputs
+    from moecompile.passes.capture import example_inputs
 
     args, kwargs = example_inputs(model)
     import torch
@@ -216,8 +216,8 @@ def _graph_reports(model, show_graphs: bool) -> list[dict]:
 def inspect_cmd(a) -> int:
     from moecompile import report
     from moecompile.conversion import models
-    from moecompile.conversion.moeize import find_dense_ffns
     from moecompile.io import checkpoint
+    from moecompile.passes.find_ffn import find_dense_ffns
 
     progress = not a.no_progress
     if a.graph:
@@ -370,7 +370,7 @@ def checkpoint_cmd(a) -> int:
         out = ep_checkpoint.scatter(a.source, a.out, a.world_size, progress=not a.no_progress)
         print(f"scattered {a.source} into {a.world_size} expert shards: {out}")
     elif a.action == "export-dcp":
-        from moecompile.io import dcp
+        from moecompile.parallel import dcp
 
         out = dcp.export(a.source, a.out)
         print(f"exported DCP checkpoint {a.source} into one checkpoint: {out}")

@@ -1,5 +1,4 @@
-"""User-facing errors: one line, shown by the CLI without a traceback (exit code 2)."""
+"""The public home of MoECompileError (defined in the leaf moecompile.core.errors)."""
+from moecompile.core.errors import MoECompileError
 
-
-class MoECompileError(Exception):
-    """A problem with the user's input (model, flags, checkpoint), not a bug in moecompile."""
+__all__ = ["MoECompileError"]

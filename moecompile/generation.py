@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.runtime import graphs
 
 WARMUP_STEPS = 2  # uncaptured runs of the step before capture: autotuning and allocations happen outside it

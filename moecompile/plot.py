@@ -10,7 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.stats import RoutingStats, as_floats
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.ir.layout import moe_blocks
 
 
@@ -123,7 +123,7 @@ def probe_routing(model: nn.Module, tokens: int = 512, seed: int = 0,
 
     The probe is `input_ids` [batch, seq] when given (e.g. tokenized text), else `tokens` uniformly random ids
     from the vocabulary in rows of at most 128 (and at most the model's positions), rounded up to whole rows."""
-    from moecompile.conversion.frontend import example_inputs
+    from moecompile.passes.capture import example_inputs
 
     (example,), kwargs = example_inputs(model)  # checks the model takes token ids; use_cache off
     if input_ids is None:

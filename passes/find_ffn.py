@@ -10,14 +10,15 @@ their fully qualified names, so each match maps back to modules of the original 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import networkx as nx
 import torch
-from torch import fx
+from torch import fx, nn
 
+from moecompile.core.errors import MoECompileError
+from moecompile.ffn.match import DenseFFN, FFNMatch, LinearRef, dense_ffn
 from moecompile.ir.config import ACTIVATIONS
 from moecompile.ir.config import activation_fn as apply_activation
+from moecompile.passes.capture import capture, module_scopes
 from moecompile.passes.nodes import arg
 
 aten = torch.ops.aten
@@ -38,42 +39,6 @@ LINEAR_OPS = {
     aten.matmul.default: ("input", "other", None, False),
 }
 MAX_CHAIN_NODES = 64
-
-
-@dataclass
-class LinearRef:
-    """One linear of an FFN: where its parameters live in the model and how the weight is laid out."""
-    node: fx.Node | None  # None when the FFN was found from a checkpoint's tensor names, not a graph
-    weight: str  # fully qualified parameter name
-    bias: str | None
-    out_in: bool  # weight is [out, in] (nn.Linear) rather than [in, out] (Conv1D, mm)
-
-    @property
-    def module(self) -> str:
-        return self.weight.rsplit(".", 1)[0] if "." in self.weight else ""
-
-
-@dataclass
-class FFNMatch:
-    up: LinearRef  # the linear whose output is (or is gated by) the activation; for gated, the ungated "up"
-    down: LinearRef
-    gate: LinearRef | None
-    activation: str
-    chain: list[fx.Node] = field(default_factory=list)
-    input: fx.Node | None = None  # the FFN input (data input of the first linear)
-
-    @property
-    def gated(self) -> bool:
-        return self.gate is not None
-
-    @property
-    def linears(self) -> list[LinearRef]:
-        return [r for r in (self.gate, self.up, self.down) if r is not None]
-
-    def describe(self) -> str:
-        kind = "gated" if self.gated else "plain"
-        ins = ", ".join(r.module for r in self.linears[:-1])
-        return f"{kind} FFN ({self.activation}): {ins} -> {self.down.module}"
 
 
 def _is_transparent(node: fx.Node) -> bool:
@@ -221,3 +186,74 @@ def find_ffn(gm: fx.GraphModule, ctx) -> dict:
         for ref in m.linears:
             ref.node.meta["moecompile_ffn"] = i
     return {"matched": [m.describe() for m in matches], "rejected": rejected}
+
+
+# ---- the module view: the FFNs of a model and the module each replacement takes over -------------------------------
+
+def _scope(scopes, path):
+    return {n for n, paths in scopes.items()
+            if path in paths and n.target is not torch.ops.aten._assert_tensor_metadata.default}
+
+
+def _is_passthrough(node: fx.Node) -> bool:
+    return node.target in TRANSPARENT and torch.Tag.pointwise not in getattr(node.target, "tags", ())
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def _plan(model: nn.Module, gm: fx.GraphModule, match: FFNMatch, scopes) -> tuple[str, list[str]]:
+    """Which module the MoEBlock replaces: the FFN's own module when it holds nothing else (GPT-2 mlp, LLaMA mlp),
+    otherwise the module of the first projection and activation, with the second projection made an Identity
+    (BERT: intermediate -> MoEBlock, output.dense -> Identity, output's LayerNorm kept)."""
+    ffn_nodes = set(match.chain) | {r.node for r in match.linears}
+    paths = [r.module for r in match.linears]
+    common = paths[0].split(".")
+    for p in paths[1:]:
+        parts = p.split(".")
+        n = 0
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    owner = ".".join(common)
+    if owner and owner not in paths and all(n in ffn_nodes or _is_passthrough(n) for n in _scope(scopes, owner)):
+        return owner, []
+    # split form: the largest ancestor of the input projections holding only them and the activation chain
+    in_nodes = ffn_nodes - {match.down.node}
+    best = None
+    for cand in _ancestors(match.up.module):
+        scope = _scope(scopes, cand)
+        if match.down.node in scope or not all(n in in_nodes or _is_passthrough(n) for n in scope):
+            break
+        if all(r.node in scope for r in match.linears[:-1]) and set(match.chain) <= scope:
+            best = cand
+    down_scope = _scope(scopes, match.down.module)
+    if best is None or not all(n is match.down.node or _is_passthrough(n) for n in down_scope):
+        raise MoECompileError(f"found {match.describe()} but no module boundary to replace it at")
+    return best, [match.down.module]
+
+
+
+
+def find_dense_ffns(model: nn.Module, example_args=None, example_kwargs=None) -> tuple[list[DenseFFN], list[str]]:
+    """Capture the model and return its rewritable FFNs in graph order, plus one line per FFN skipped and why."""
+    gm = capture(model, example_args, example_kwargs)
+    matches, skipped = find_ffns(gm)
+    scopes = module_scopes(gm)
+    found = []
+    for match in matches:
+        try:
+            owner, identity = _plan(model, gm, match, scopes)
+        except MoECompileError as e:
+            skipped.append(str(e))
+            continue
+        ffn = dense_ffn(model, match, owner, identity)
+        if ffn.w_out.shape[0] != ffn.w_in.shape[1]:
+            skipped.append(f"{owner}: output size {ffn.w_out.shape[0]} differs from input size {ffn.w_in.shape[1]}")
+            continue
+        if not identity:
+            ffn.dropout = next((m.p for m in model.get_submodule(owner).children() if isinstance(m, nn.Dropout)), 0.0)
+        found.append(ffn)
+    return found, skipped

@@ -2,7 +2,7 @@
     exchange_counts -> all_to_all_single -> wait_tensor -> [dispatch by local expert] -> experts on the local
     weights -> [un-permute] -> all_to_all_single back -> wait_tensor -> pad the dropped rows
 with torch's c10d functional collectives as graph nodes, traced from the same function the module view runs
-(moecompile.distributed.expert_parallel_experts). The expert weights of a get_attr node are replaced in the module
+(parallel/all_to_all.py, expert_parallel_experts). The expert weights of a get_attr node are replaced in the module
 by this rank's slice (the other ranks' experts leave memory); weights that enter as graph inputs are narrowed by a
 node instead. A no-op unless ctx.options["expert_parallel"] is set: {"group": ProcessGroup or None (the world),
 "overlap_degree": int (1)}. In the torch.compile backend's pipeline the same data path is one opaque node,
@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from moecompile import distributed
+from moecompile.ir.sharding import local_experts
+from moecompile.parallel.all_to_all import trace_expert_parallel
+from moecompile.parallel.groups import process_group
 from moecompile.passes.nodes import inline_graph, op_args, value
 
 EXPERTS = torch.ops.moecompile.experts.default
@@ -44,7 +46,7 @@ def insert_all_to_all(gm: fx.GraphModule, ctx) -> dict:
     options = ctx.options.get("expert_parallel")
     if options is None or options is False:  # {} means on, with the defaults
         return {"rewritten": [], "skipped": []}
-    group = distributed._group(options.get("group"))
+    group = process_group(options.get("group"))
     degree = options.get("overlap_degree", 1)
     world = torch.distributed.get_world_size(group)
     rank = torch.distributed.get_rank(group)
@@ -57,14 +59,14 @@ def insert_all_to_all(gm: fx.GraphModule, ctx) -> dict:
             skipped.append(f"{node.name}: GPT-OSS experts (interleaved / clamped SwiGLU) have no expert-parallel path")
             continue
         experts = _num_experts(gm, w_in)
-        local = distributed.local_experts(experts, world)
+        local = local_experts(experts, world)
         with gm.graph.inserting_before(node):
             weights = [_local_weight(gm, w, rank * local, local) for w in (w_in, b_in, w_out, b_out)]
             if ctx.pipeline == "compile":
                 out = gm.graph.call_function(EP_EXPERTS, (rows, offsets, *weights, activation, gated,
                                                           group.group_name, world, local, degree))
             else:
-                sub = distributed.trace_expert_parallel(activation, gated, group.group_name, world, local, degree)
+                sub = trace_expert_parallel(activation, gated, group.group_name, world, local, degree)
                 out = inline_graph(gm, sub, f"ep{n}", [rows, offsets, *weights])
         out.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
         node.replace_all_uses_with(out)

@@ -1,6 +1,6 @@
 """moeize (graph view): replace each matched FFN subgraph by the nodes of an MoEBlock.
 
-The block is built from the FFN's weights exactly as the module view builds it (conversion.moeize.build_block),
+The block is built from the FFN's weights exactly as the module view builds it (ffn/build.py, build_block),
 exported on its own, and its graph inlined in place of the FFN: the rewritten graph holds the moecompile ops
 (route, dispatch, experts, combine) as single nodes and the block's parameters as get_attr nodes under
 `moe<i>.*`. The dense weights the FFN used become dead and are removed.
@@ -12,7 +12,9 @@ import warnings
 import torch
 from torch import fx
 
-from moecompile.conversion.moeize import build_block, check_ffns, check_options, dense_ffn, parse_layers
+from moecompile.ffn.build import build_block, check_ffns, check_options
+from moecompile.ffn.layers import parse_layers
+from moecompile.ffn.match import dense_ffn
 from moecompile.ir import knobs
 from moecompile.passes.nodes import inline_graph
 

@@ -16,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from moecompile import settings
+from moecompile.core import settings
 from moecompile.passes.direct_experts import direct_experts
 from moecompile.passes.find_ffn import find_ffn
 from moecompile.passes.fuse_projections import fuse_projections

@@ -22,7 +22,7 @@ import functools
 import json
 from importlib import resources
 
-from moecompile import settings
+from moecompile.core import settings
 
 FFN_IN = settings.ffn_in()  # auto | grouped_mm | triton | triton_decode | triton_tma | triton_persistent | quack
 FFN_OUT = settings.ffn_out()

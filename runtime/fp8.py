@@ -10,8 +10,8 @@ import weakref
 import torch
 from triton.compiler.errors import CompilationError
 
-from moecompile import settings
-from moecompile.ir import fp8_format as fp8_math
+from moecompile.core import fp8_format as fp8_math
+from moecompile.core import settings
 from moecompile.kernels import cutlass_fp8, grouped_mm, reference, triton_fp8, triton_moe
 from moecompile.runtime import choices
 

@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from moecompile import settings
+from moecompile.core import settings
 from moecompile.kernels import reference
 
 REFERENCE = "reference"

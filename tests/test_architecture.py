@@ -26,23 +26,24 @@ def _modules() -> dict[str, Path]:
 
 
 def _imported(module: str, path: Path, modules: dict[str, Path]):
-    """(imported module of this tree, the ast node) for every import in the file, function-level ones included."""
+    """(imported module of this tree, the ast node, the alias) for every import in the file, function-level ones
+    included."""
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            names = [(a.name, a) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            names = [(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base, a) for a in node.names]
         else:
             continue
-        for name in names:
+        for name, alias in names:
             while name and name not in modules:
                 name = name.rpartition(".")[0]
             if name and name != module:
-                yield name, node
+                yield name, node, alias
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def graph() -> nx.DiGraph:
     g = nx.DiGraph()
     for module, path in modules.items():
         g.add_node(module, path=path)
-        for target, node in _imported(module, path, modules):
+        for target, node, _ in _imported(module, path, modules):
             g.add_edge(module, target, line=node.lineno)
     return g
 
@@ -66,6 +67,61 @@ def test_no_import_cycles(graph):
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def _package(module: str, graph: nx.DiGraph) -> str:
+    """The package a module belongs to: a subpackage of moecompile (moecompile.ir, moecompile.passes, ...), or the
+    top-level module itself (moecompile.cli, moecompile.backend, ...)."""
+    parts = module.split(".")
+    if len(parts) > 2 or graph.nodes[module]["path"].name == "__init__.py":
+        return ".".join(parts[:2])
+    return module
+
+
+@pytest.fixture(scope="module")
+def packages(graph) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for src, dst, line in graph.edges(data="line"):
+        a, b = _package(src, graph), _package(dst, graph)
+        if a != b:
+            g.add_edge(a, b)
+            g.edges[a, b].setdefault("why", []).append(f"{src}:{line} -> {dst}")
+    return g
+
+
+def test_no_package_cycles(packages):
+    """Packages form layers: core < kernels < runtime < ir < io < parallel < ffn < passes < calibration <
+    conversion (docs/architecture.md); an import against that direction shows as a cycle here."""
+    assert {"moecompile.core", "moecompile.ir", "moecompile.parallel", "moecompile.ffn"} <= set(packages)
+    cycles = list(nx.simple_cycles(packages))
+    assert not cycles, "; ".join(" -> ".join(c) + " (" + ", ".join(
+        packages.edges[a, b]["why"][0] for a, b in zip(c, c[1:] + c[:1])) + ")" for c in cycles)
+
+
+def _private_uses(module: str, path: Path, modules: dict[str, Path]):
+    """(line, module of the tree, name) for each `_name` (dunders excepted) this file imports from another module of
+    the tree, or reads as an attribute of a module of the tree it imported."""
+    aliases = {}  # local name -> the module of the tree it is bound to
+    for target, node, a in _imported(module, path, modules):
+        if isinstance(node, ast.Import):
+            if a.asname and a.name == target:
+                aliases[a.asname] = target
+        elif target.endswith(f".{a.name}"):  # a module imported from its package
+            aliases[a.asname or a.name] = target
+        elif a.name.startswith("_") and not a.name.startswith("__"):
+            yield node.lineno, target, a.name
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            yield node.lineno, aliases[node.value.id], node.attr
+
+
+def test_no_private_name_crosses_a_package(graph):
+    modules = _modules()
+    wrong = [f"{module}:{line} uses {target}.{name}" for module, path in graph.nodes(data="path")
+             for line, target, name in _private_uses(module, path, modules)
+             if _package(target, graph) != _package(module, graph)]
+    assert not wrong, wrong
+
+
 def test_kernels_are_imported_by_the_runtime_only(graph):
     wrong = [f"{src} (line {graph.edges[src, dst]['line']}) imports {dst}" for src, dst in graph.edges
              if dst.startswith("moecompile.kernels.")
@@ -74,13 +130,15 @@ def test_kernels_are_imported_by_the_runtime_only(graph):
 
 
 def test_kernels_are_leaves(graph):
-    """Kernels import other kernels and the leaf definitions they share (activations, FP8 formats, settings)."""
-    leaves = {"moecompile.ir.activations", "moecompile.ir.fp8_format", "moecompile.settings"}
-    for leaf in leaves & set(graph):
-        assert not [dst for dst in graph.successors(leaf)], f"{leaf} must import nothing of moecompile"
+    """Kernels import other kernels and the leaf definitions of moecompile.core (activations, FP8 format, settings)."""
+    core = {m for m in graph if m.startswith("moecompile.core.")}
+    assert {"moecompile.core.activations", "moecompile.core.fp8_format", "moecompile.core.settings"} <= core
+    for leaf in core:
+        assert not [dst for dst in graph.successors(leaf) if not dst.startswith("moecompile.core.")], \
+            f"{leaf} must import nothing of moecompile outside moecompile.core"
     wrong = [f"{src} imports {dst}" for src, dst in graph.edges
-             if src.startswith("moecompile.kernels.") and not dst.startswith("moecompile.kernels.")
-             and dst not in leaves]
+             if src.startswith("moecompile.kernels.")
+             and not dst.startswith(("moecompile.kernels.", "moecompile.core."))]
     assert not wrong, wrong
 
 
@@ -91,10 +149,10 @@ def test_passes_never_import_kernels_or_runtime(graph):
 
 
 def test_environment_is_read_in_settings_only(graph):
-    """Every environment variable the product reads is read in moecompile/settings.py."""
+    """Every environment variable the product reads is read in moecompile/core/settings.py."""
     wrong = []
     for module, path in graph.nodes(data="path"):
-        if module == "moecompile.settings":
+        if module == "moecompile.core.settings":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv") and \
@@ -103,7 +161,7 @@ def test_environment_is_read_in_settings_only(graph):
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("first", ["moecompile.ir.activations", "moecompile.runtime.registry"])
+@pytest.mark.parametrize("first", ["moecompile.core.activations", "moecompile.runtime.registry"])
 def test_a_leaf_imports_first_in_a_fresh_interpreter(first):
     """Importing torch registers the ops; that must not re-enter a module of ours that is itself importing."""
     import subprocess
@@ -112,3 +170,13 @@ def test_a_leaf_imports_first_in_a_fresh_interpreter(first):
     code = f"import {first}; import moecompile, torch; moecompile.MoEBlock; assert torch.ops.moecompile.route"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_every_subpackage_is_installed():
+    """pyproject's package list names every package of the tree (a wheel leaves out one it does not name)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "moecompile").rglob("__init__.py")}
+    found |= {package for folder, package in FOLDERS.items() if folder != "moecompile"}
+    assert found <= listed, sorted(found - listed)

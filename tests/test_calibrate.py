@@ -19,7 +19,7 @@ from moecompile.calibration import shared as S
 from moecompile.calibration import tokens as T
 from moecompile.cli import main
 from moecompile.conversion import models
-from moecompile.conversion.moeize import find_dense_ffns
+from moecompile.passes.find_ffn import find_dense_ffns
 
 
 def gen(seed):
@@ -322,7 +322,7 @@ def test_default_calibration_steps_follow_the_device_and_flags_override_them(mon
 
 def test_stdlib_calibration_text_draws_on_every_kind_equally():
     from moecompile.calibration import data as calib_data
-    from moecompile.calibration.report import calibration_texts
+    from moecompile.calibration.run import calibration_texts
 
     texts = calibration_texts("stdlib")
     assert len(texts) > 10000 and all(6 <= len(t.split()) <= 40 for t in texts)  # single sentences
@@ -336,7 +336,7 @@ def test_stdlib_calibration_text_draws_on_every_kind_equally():
 
 def test_mixed_calibration_text_interleaves_the_stdlib_mix_and_the_packaged_text():
     from moecompile.calibration import data as calib_data
-    from moecompile.calibration.report import calibration_texts
+    from moecompile.calibration.run import calibration_texts
 
     stdlib, other = calibration_texts("stdlib"), calib_data.other_sentences()
     texts = calibration_texts("mixed")
@@ -373,7 +373,7 @@ def test_packaged_text_shares_nothing_with_evaluation_text_and_carries_its_licen
 
 
 def test_calib_file_comes_first_and_the_mixed_text_fills_the_budget(tmp_path):
-    from moecompile.calibration.report import calibration_texts
+    from moecompile.calibration.run import calibration_texts
 
     own = [f"My own paragraph number {i} about routing tokens to experts." for i in range(20)]
     path = tmp_path / "calib.txt"

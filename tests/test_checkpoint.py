@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moecompile import MoEBlock, MoECompileError, report
-from moecompile.conversion.moeize import moeize
+from moecompile.conversion.in_memory import moeize
 from moecompile.io import checkpoint
 from moecompile.ir.layout import moe_blocks
 

@@ -9,10 +9,13 @@ import torch
 from torch import nn
 
 from moecompile import MoECompileError
-from moecompile.conversion.moeize import balanced_kmeans, find_dense_ffns, moeize, parse_layers
+from moecompile.conversion.in_memory import moeize
+from moecompile.ffn.kmeans import balanced_kmeans
+from moecompile.ffn.layers import parse_layers
 from moecompile.ir.block import MoEBlock, aux_loss
 from moecompile.ir.config import MoEConfig
 from moecompile.ir.layout import get_layout, moe_blocks
+from moecompile.passes.find_ffn import find_dense_ffns
 
 TOL = 1e-5
 N_LAYERS = 2

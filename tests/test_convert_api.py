@@ -11,7 +11,7 @@ from conftest import make_tiny_model, tiny_token_ids
 
 import moecompile
 from moecompile.cli import main as cli
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 
 
 @pytest.fixture(scope="module")

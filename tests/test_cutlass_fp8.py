@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from moecompile import settings
+from moecompile.core import settings
 from moecompile.kernels import cutlass_fp8
 
 

@@ -201,7 +201,7 @@ def _model_checks(rank, world, tmp: Path, out):
 
 def _graph_checks(rank, world, out, degree):
     """The graph view: insert_all_to_all on a captured, moeized GPT-2 against the single-process graph."""
-    from moecompile.conversion.frontend import capture
+    from moecompile.passes.capture import capture
     from moecompile.passes.pipeline import run_pipeline
 
     model = _tiny_gpt2_dense()
@@ -314,8 +314,8 @@ def _full(t):
 def _mesh_model_checks(rank, world, mesh, name, build, out, dcp_dir=None, load_dir=None):
     """The recipe on one mesh: distribute over mesh["ep"], FSDP2 over the rest; loss, every gradient and the
     parameters after an SGD step against the single-process model run on every rank's share (losses averaged)."""
-    from moecompile.io import dcp as dcp_io
     from moecompile.ir import layout
+    from moecompile.parallel import dcp as dcp_io
 
     key = f"{'x'.join(map(str, mesh.shape))}/{name}"
     ref = build().train()
@@ -412,7 +412,7 @@ def _dcp_load_checks(rank, world, dcp_dir: Path, out):
     """The 4-rank (2 x 2) checkpoint on 2 ranks as a 1 x 2 mesh under FSDP2."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from moecompile.io import dcp as dcp_io
+    from moecompile.parallel import dcp as dcp_io
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
     model = dcp_io.build(dcp_dir)
@@ -686,7 +686,7 @@ def test_ep_train_example_under_torchrun(tmp_path):
     losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and losses[-1] < losses[0], proc.stdout
     assert "mesh: dp 1 x ep 2" in proc.stdout, proc.stdout
-    from moecompile.io import dcp as dcp_io
+    from moecompile.parallel import dcp as dcp_io
 
     dcp_io.export(save, tmp_path / "whole")
     assert len(moecompile.load(tmp_path / "whole", progress=False).moe_layout) == 2
@@ -709,7 +709,7 @@ def test_mesh_fsdp_matches_single_process(four_ranks, mesh, model):
 
 
 def test_dcp_checkpoint_reshards_across_meshes_and_world_sizes(four_ranks, two_ranks, four_ranks_dir, tmp_path):
-    from moecompile.io import dcp as dcp_io
+    from moecompile.parallel import dcp as dcp_io
 
     _assert_close(four_ranks, "1x4/gpt2/dcp_loaded_out")  # saved on 2 x 2, loaded on 1 x 4
     _assert_close(two_ranks, "dcp2/")  # on 2 ranks

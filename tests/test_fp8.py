@@ -13,12 +13,12 @@ from torch import fx, nn
 
 import moecompile
 from moecompile import MoEBlock, MoECompileError, MoEConfig, MoEExperts
-from moecompile.conversion.frontend import capture, example_inputs
+from moecompile.core import fp8_format as K
+from moecompile.core.activations import expert_activation
 from moecompile.ir import fp8, ops
-from moecompile.ir import fp8_format as K
-from moecompile.ir.activations import expert_activation
 from moecompile.ir.fp8 import MoEExpertsFP8
 from moecompile.kernels import reference as R
+from moecompile.passes.capture import capture, example_inputs
 from moecompile.passes.insert_fp8 import insert_fp8
 from moecompile.passes.pipeline import PassContext, run_pipeline
 

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 import moecompile
 from moecompile import MoECompileError, report
 from moecompile.cli import main
+from moecompile.core import fp8_format as K
 from moecompile.ir import fp8
-from moecompile.ir import fp8_format as K
 from moecompile.ir.fp8 import MoEExpertsFP8
 from moecompile.ir.layout import moe_blocks
 

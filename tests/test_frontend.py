@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moecompile import MoECompileError
-from moecompile.conversion.frontend import capture, example_inputs, module_scopes
-from moecompile.conversion.moeize import find_dense_ffns, moeize
+from moecompile.conversion.in_memory import moeize
 from moecompile.ir.block import MoEBlock
-from moecompile.passes.find_ffn import find_ffns
+from moecompile.passes.capture import capture, example_inputs, module_scopes
+from moecompile.passes.find_ffn import find_dense_ffns, find_ffns
 
 N_LAYERS = 2
 

@@ -8,7 +8,7 @@ from hf_moe import FAMILIES, tiny_moe, token_ids
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.generation import Generator, custom_generate, generate, greedy_token, static_cache
 
 NEW = 5

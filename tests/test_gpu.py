@@ -248,7 +248,7 @@ def test_fp8_kernels_match_reference(gated, bias, gemm, block_kernel, tokens, mo
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     e, k, h, i = 4, 2, 256, 384
     w_in, b_in, w_out, b_out = _weights(e, h, i, gated, bias, gen)
-    from moecompile.ir import fp8_format as F
+    from moecompile.core import fp8_format as F
 
     w_in_q, w_in_s = F.quantize_blocks(w_in)
     w_out_q, w_out_s = F.quantize_blocks(w_out)
@@ -285,7 +285,7 @@ def test_fp8_kernels_match_reference(gated, bias, gemm, block_kernel, tokens, mo
 def test_gluon_fp8_matches_reference_math(counts, hidden, width, activation, gated, bias):
     """kernels/gluon_fp8.py against the reference experts_fp8 (the same block math in float32), groups of any size,
     with 10 input rows past offsets[-1] (dropped assignments: their outputs are unspecified)."""
-    from moecompile.ir import fp8_format as F
+    from moecompile.core import fp8_format as F
     from moecompile.kernels import gluon_fp8, triton_moe
 
     gen = torch.Generator(device=DEVICE).manual_seed(len(counts) + hidden)
@@ -318,7 +318,7 @@ def test_gluon_fp8_matches_reference_math(counts, hidden, width, activation, gat
 def test_cutlass_fp8_grouped_gemm_matches_reference_math(counts, hidden, width):
     """kernels/cutlass_fp8.py: one block-scaled grouped GEMM against the dequantised float32 product, groups of any
     size, 10 rows past offsets[-1] (left unspecified)."""
-    from moecompile.ir import fp8_format as F
+    from moecompile.core import fp8_format as F
     from moecompile.kernels import cutlass_fp8
 
     gen = torch.Generator(device=DEVICE).manual_seed(len(counts) + hidden)

@@ -35,7 +35,7 @@ def test_transformers_runs_native_fp8_upcycle_on_cuda(tmp_path, monkeypatch):
     from transformers.integrations.finegrained_fp8 import FP8Experts
 
     from moecompile.conversion.native import upcycle_native
-    from moecompile.ir.fp8_format import dequantize_blocks
+    from moecompile.core.fp8_format import dequantize_blocks
 
     _offline_kernel(monkeypatch)
     config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2,

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moecompile.ir import activations as A
+from moecompile.core import activations as A
 from moecompile.kernels import reference as R
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from moecompile.conversion import native
 from moecompile.conversion.native import native_support, native_target, parse_size, upcycle_native
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
             intermediate_size=48, max_position_embeddings=64, initializer_range=0.2)  # large init: logits ~1
@@ -369,7 +369,7 @@ def test_cli_format_choices(sources, tmp_path, capsys):
 def test_streaming_equals_in_memory_upcycle(sources, tmp_path, noise):
     """The streaming native path writes bit for bit the tensors that moeize builds in memory from the same model and
     seed: expert copies (and their noise), routers, everything else."""
-    from moecompile.conversion.moeize import moeize
+    from moecompile.conversion.in_memory import moeize
 
     src = sources["llama"]
     upcycle_native(src, tmp_path / "moe", experts=4, top_k=2, seed=3, noise=noise, progress=False)
@@ -439,7 +439,7 @@ def native_fp8(sources, converted, tmp_path_factory) -> Path:
 def test_native_fp8_layout(converted, native_fp8):
     """transformers' FineGrainedFP8 layout: each expert weight float8_e4m3fn with a float32 weight_scale_inv per
     128 x 128 block, everything else as the unquantised conversion wrote it, and the quantization_config."""
-    from moecompile.ir.fp8_format import dequantize_blocks, quantize_blocks
+    from moecompile.core.fp8_format import dequantize_blocks, quantize_blocks
 
     config = json.loads((native_fp8 / "config.json").read_text())
     q = config.pop("quantization_config")
@@ -466,7 +466,7 @@ def test_native_fp8_layout(converted, native_fp8):
 def test_native_fp8_loads_in_transformers_on_cpu(sources, native_fp8):
     """Without a GPU transformers dequantises FineGrainedFP8 on load: every key maps, the experts come back as the
     FP8 blocks times their scales, and the model stays close to the dense one."""
-    from moecompile.ir.fp8_format import dequantize_blocks
+    from moecompile.core.fp8_format import dequantize_blocks
 
     model, info = transformers.AutoModelForCausalLM.from_pretrained(native_fp8, output_loading_info=True)
     assert not any(info.values()) and type(model).__name__ == "MixtralForCausalLM"
@@ -529,8 +529,8 @@ def _mlp_biased(sources, tmp_path) -> Path:
 
 def _in_memory_split(src: Path, out: Path, dtype=None, **kw) -> None:
     """What `convert --method split` wrote before it streamed: the model loaded, moeize'd and saved."""
+    from moecompile.conversion.in_memory import moeize
     from moecompile.conversion.models import load_source
-    from moecompile.conversion.moeize import moeize
     from moecompile.io import checkpoint
 
     model = load_source(str(src), progress=False).model.eval()

@@ -204,7 +204,7 @@ def test_real_minilm_matches_torch(tmp_path):
 
 def test_graph_view_lowers_the_ops_one_by_one(tmp_path):
     """The pass pipeline's graph (moecompile ops on get_attr weights) exports through the translation table."""
-    from moecompile.conversion.frontend import capture, example_inputs
+    from moecompile.passes.capture import capture, example_inputs
     from moecompile.passes.pipeline import run_pipeline
 
     model = _perturbed("tiny-llama")

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from moecompile.conversion.frontend import capture, example_inputs
+from moecompile.passes.capture import capture, example_inputs
 from moecompile.passes.find_ffn import find_ffn
 from moecompile.passes.moeize import moeize as moeize_pass
 from moecompile.passes.pipeline import PIPELINE, PassContext, run_pipeline

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from hf_moe import FAMILIES, MOE_LAYERS, dynamo_graphs, moe_nodes, tiny_moe, token_ids
 
 from moecompile import MoEBlock, MoEConfig
-from moecompile.conversion.frontend import capture
 from moecompile.ir import ops
+from moecompile.passes.capture import capture
 from moecompile.passes.fuse_route_dispatch import fuse_route_dispatch
 from moecompile.passes.keep_first_projection import keep_first_projection
 from moecompile.passes.pipeline import PIPELINES, GraphCheckError, PassContext, run_pipeline

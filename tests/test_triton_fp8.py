@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from moecompile.ir import fp8_format as fp8_math
-from moecompile.ir.activations import expert_activation
+from moecompile.core import fp8_format as fp8_math
+from moecompile.core.activations import expert_activation
 from moecompile.kernels import triton_fp8
 
 

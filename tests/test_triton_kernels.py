@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from moecompile.ir.activations import expert_activation
+from moecompile.core.activations import expert_activation
 from moecompile.kernels import reference as R
 from moecompile.kernels import triton_moe
 

@@ -19,11 +19,13 @@ from moecompile.calibration.partition import contribution_features, partition_ne
 from moecompile.calibration.router import fit_router_and_compensation
 from moecompile.calibration.shared import fit_linear_shared
 from moecompile.calibration.tokens import collect_ffn_inputs
-from moecompile.conversion.moeize import DenseFFN, find_dense_ffns, parse_layers
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
+from moecompile.ffn.layers import parse_layers
+from moecompile.ffn.match import DenseFFN
 from moecompile.ir import layout
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.knobs import check_split
+from moecompile.passes.find_ffn import find_dense_ffns
 
 FIT_TOKENS = 40000  # at most about this many calibration tokens for the least-squares fits and error stats
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.ir.knobs import (
     CALIB_DEVICE,
     CALIB_EVAL_SENTENCES,

@@ -24,7 +24,7 @@ import sysconfig
 import tokenize
 from pathlib import Path
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 
 OTHER_TEXT = Path(__file__).with_name("other_text.txt.gz")  # one sentence a line; other_text.py writes it
 SPLIT_BUCKETS = 10  # hash bucket 0 of a package: held-out text, bucket 1: selection text, the rest: calibration

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moecompile.conversion.moeize import DenseFFN
-from moecompile.ir.activations import expert_activation
+from moecompile.core.activations import expert_activation
+from moecompile.ffn.match import DenseFFN
 
 
 def ffn_hidden(ffn: DenseFFN, x: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moecompile.core.activations import expert_activation
 from moecompile.ir import ops
-from moecompile.ir.activations import expert_activation
 from moecompile.ir.block import MoEBlock
 
 

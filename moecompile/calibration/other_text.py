@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from moecompile.calibration import data
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 
 DOCSTRINGS = {"scipy": "scipy", "sklearn": "scikit-learn", "pip": "pip"}  # import name -> distribution
 DOCSTRING_SENTENCES = 1500  # per package (pip has fewer): the docstrings are about half of the packaged text

@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from moecompile.calibration.dense import ffn_hidden
-from moecompile.conversion.moeize import DenseFFN, balanced_kmeans, build_block
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
+from moecompile.ffn.build import build_block
+from moecompile.ffn.kmeans import balanced_kmeans
+from moecompile.ffn.match import DenseFFN
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import MoEConfig
 

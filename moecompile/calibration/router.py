@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from moecompile.calibration.dense import chunks
-from moecompile.ir.activations import expert_activation
+from moecompile.core.activations import expert_activation
 from moecompile.ir.block import MoEBlock
 
 

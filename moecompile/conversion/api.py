@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.ir import knobs
 
 if TYPE_CHECKING:
@@ -216,9 +216,9 @@ def _convert_in_memory(given: str | nn.Module, o: ConvertOptions, out: Path | No
 
     from moecompile import report
     from moecompile.conversion import models, validate
-    from moecompile.conversion.frontend import example_inputs
-    from moecompile.conversion.moeize import moeize
+    from moecompile.conversion.in_memory import moeize
     from moecompile.io import checkpoint
+    from moecompile.passes.capture import example_inputs
 
     name = given if isinstance(given, str) else type(given).__name__
     run = calib_run(name, o) if o.calib is not None else None  # its checks before the model is loaded
@@ -233,7 +233,7 @@ def _convert_in_memory(given: str | nn.Module, o: ConvertOptions, out: Path | No
         dense_out = _probe_output(model, probe_args, probe_kwargs)
         extra = {}
         if run is not None:
-            from moecompile.calibration.report import run_calibration
+            from moecompile.calibration.run import run_calibration
 
             extra = run_calibration(model, source.directory, run, o.progress)
         else:

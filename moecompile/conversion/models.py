@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torch import nn
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 
 log = logging.getLogger("moecompile")
 

@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 from moecompile.conversion import validate
-from moecompile.conversion.moeize import ROUTER_STD, parse_layers, upcycle_copy, upcycle_router
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
+from moecompile.ffn.build import ROUTER_STD, upcycle_copy, upcycle_router
+from moecompile.ffn.layers import parse_layers
 from moecompile.io.checkpoint import (
     DEFAULT_SHARD_SIZE,
     NATIVE_RECORD,

@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 
 from moecompile.conversion import validate
-from moecompile.conversion.moeize import block_config, build_block, check_ffns, check_options, dense_ffn, parse_layers
 from moecompile.conversion.native import LAYER_RE, check_source, family_support, natural_key, parse_dtype
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
+from moecompile.ffn.build import block_config, build_block, check_ffns, check_options
+from moecompile.ffn.layers import parse_layers
+from moecompile.ffn.match import FFNMatch, LinearRef, dense_ffn
 from moecompile.io.checkpoint import (
     CONFIG,
     DEFAULT_SHARD_SIZE,
@@ -39,7 +41,6 @@ from moecompile.ir import layout
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import identify_activation
 from moecompile.ir.knobs import CAPACITY_FACTOR, TOP_K
-from moecompile.passes.find_ffn import FFNMatch, LinearRef
 
 METHOD = "split"
 

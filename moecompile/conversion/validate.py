@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.io.checkpoint import WEIGHTS_INDEX, tensor_headers, weight_files
 from moecompile.io.stream import read_tensor
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from moecompile.errors import MoECompileError
+from moecompile.core.activations import expert_activation
+from moecompile.core.errors import MoECompileError
 from moecompile.ir import ops
-from moecompile.ir.activations import expert_activation
 from moecompile.ir.config import identify_activation
 from moecompile.runtime import choices
 

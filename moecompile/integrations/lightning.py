@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.ir.block import aux_loss
 from moecompile.ir.layout import moe_blocks
 from moecompile.stats import routing_metrics, track_routing

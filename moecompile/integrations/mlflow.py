@@ -15,7 +15,7 @@ import time
 
 from torch import nn
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.stats import as_floats, routing_metrics, routing_stats
 
 

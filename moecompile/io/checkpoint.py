@@ -29,7 +29,7 @@ from safetensors.torch import save_model
 from torch import nn
 from tqdm.auto import tqdm
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.ir import fp8, knobs, layout
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import MoEConfig

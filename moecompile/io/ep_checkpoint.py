@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.io import checkpoint
 from moecompile.ir.sharding import EXPERT_TENSORS, local_experts
 

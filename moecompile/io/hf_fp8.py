@@ -21,10 +21,10 @@ from typing import Callable
 
 import torch
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
+from moecompile.core.fp8_format import cdiv
 from moecompile.io import checkpoint, stream
 from moecompile.ir.fp8 import WEIGHT_BLOCK, quantization_config, quantize_weight
-from moecompile.ir.fp8_format import cdiv
 
 EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.[^.]+\.weight$")  # one expert's projection, as HF 5 saves it
 NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")  # weights: rewritten or never read

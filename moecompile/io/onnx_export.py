@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import fx, nn
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.ir.block import MoEBlock
 from moecompile.ir.config import MoEConfig
 from moecompile.ir.knobs import never_drops

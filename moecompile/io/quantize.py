@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.io import checkpoint, stream
 from moecompile.io.hf_fp8 import FP8Reader, fp8_entries
 from moecompile.ir import fp8

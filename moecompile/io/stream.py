@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.io.checkpoint import WEIGHTS, WEIGHTS_INDEX, tensor_headers
 
 # safetensors dtype names <-> torch dtypes (the ones a language model checkpoint holds)

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moecompile.core.activations import expert_activation
 from moecompile.ir import ops
-from moecompile.ir.activations import expert_activation
 from moecompile.ir.config import MoEConfig
 from moecompile.ir.knobs import check_top_k
 

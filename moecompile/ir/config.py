@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from moecompile.errors import MoECompileError
-from moecompile.ir.activations import activation as activation_fn  # noqa: F401  (the one definition)
+from moecompile.core.activations import activation as activation_fn  # noqa: F401  (the one definition)
+from moecompile.core.errors import MoECompileError
 from moecompile.ir.knobs import CAPACITY_FACTOR, TOP_K, check_experts, check_top_k
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")

@@ -8,7 +8,7 @@ per token per 128 channels on the fly, router untouched (float32 logits and rout
 
 A block's forward becomes route -> quantize_fp8 -> dispatch (FP8 rows, their scales gathered beside them) ->
 experts_fp8 -> combine. Scale conventions (DeepSeek-V3 / HF FineGrainedFP8: x ≈ x_fp8 * scale_inv,
-scale_inv = amax / 448) are in moecompile/ir/fp8_format.py.
+scale_inv = amax / 448) are in moecompile/core/fp8_format.py.
 """
 from __future__ import annotations
 
@@ -16,11 +16,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from moecompile.errors import MoECompileError
-from moecompile.ir import layout, ops
-from moecompile.ir.block import MoEBlock, MoEExperts
-from moecompile.ir.config import MoEConfig
-from moecompile.ir.fp8_format import (
+from moecompile.core.errors import MoECompileError
+from moecompile.core.fp8_format import (
     ACT_GROUP,
     FP8,
     WEIGHT_BLOCK,
@@ -30,9 +27,12 @@ from moecompile.ir.fp8_format import (
     quantize_blocks,
     quantize_groups,
 )
+from moecompile.ir import layout, ops
+from moecompile.ir.block import MoEBlock, MoEExperts
+from moecompile.ir.config import MoEConfig
 
 __all__ = ["MoEExpertsFP8", "quantize", "dequantize", "quantize_weight", "quantization_config", "FORMAT",
-           # the quantisation math (moecompile/ir/fp8_format.py), for code that may not import kernels (passes)
+           # the quantisation math (moecompile/core/fp8_format.py), for code that may not import kernels (passes)
            "quantize_blocks", "dequantize_blocks", "quantize_groups", "dequantize_groups"]
 
 # recorded in each FP8 block's layout entry; load() accepts exactly this

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 
 EXPERTS = 16  # moeize() and the graph pass without `experts` (the CLI requires --experts)
 TOP_K = 2  # experts per token: conversion and MoEConfig

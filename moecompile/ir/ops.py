@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.runtime.registry import INTERLEAVED, KEPT_H, Kernel, kernel_entry, kernel_for
 
 
@@ -369,7 +369,7 @@ def _route_dispatch_backward(ctx, grad_weights, grad_ids, grad_rows, grad_order,
 route_dispatch.register_autograd(_route_dispatch_backward, setup_context=_route_dispatch_setup)
 
 
-# ---- FP8 (float8_e4m3fn), inference only; scale conventions in moecompile/ir/fp8_format.py (x ≈ x_fp8 * scale_inv)
+# ---- FP8 (float8_e4m3fn), inference only; scale conventions in moecompile/core/fp8_format.py (x ≈ x_fp8 * scale_inv)
 # quantize_fp8: x [N, H] -> (x_fp8 [N, H], scale_inv [N, ceil(H / group)] float32), per row per `group` channels.
 # experts_fp8: experts() on x quantised per row per 128 channels and weights w_in [E, F, H], w_out [E, H, I] in
 # float8_e4m3fn with one float32 scale_inv per 128 x 128 tile ([E, ceil(F/128), ceil(H/128)] and

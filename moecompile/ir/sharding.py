@@ -1,7 +1,7 @@
 """How expert parallelism shards a block: the rule the expert-parallel runtime and its checkpoints share."""
 from __future__ import annotations
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 
 EXPERT_TENSORS = ("w_in", "b_in", "w_out", "b_out")  # MoEExperts' parameters, sharded on their first dim
 

@@ -31,9 +31,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 from moecompile.io import checkpoint
 from moecompile.ir import layout
+from moecompile.parallel.groups import collectively
 
 DCP_KEY = "dcp"
 METADATA = ".metadata"
@@ -68,7 +69,7 @@ def _read(directory: Path) -> tuple[dict, dict]:
     config, moe = checkpoint.read_moe_config(directory)
     if DCP_KEY not in moe or not (directory / METADATA).is_file():
         raise MoECompileError(f"{directory} is not a DCP checkpoint (no {METADATA}, or config.json has no "
-                              f"moe.{DCP_KEY}): save it with moecompile.io.dcp.save")
+                              f"moe.{DCP_KEY}): save it with moecompile.parallel.dcp.save")
     return config, moe
 
 
@@ -86,7 +87,6 @@ def save(model: nn.Module, directory: str | os.PathLike, optimizer: torch.optim.
     """Save model (expert-parallel, FSDP-sharded, both, or plain) and optionally its optimizer's state with DCP,
     from every rank (collective when torch.distributed is initialized). All-or-nothing: written into a hidden
     sibling folder and renamed into place by rank 0 once every rank has written; on failure every rank raises."""
-    from moecompile.distributed import _collectively
     from moecompile.io.ep_checkpoint import model_config
 
     directory = Path(directory)
@@ -110,7 +110,7 @@ def save(model: nn.Module, directory: str | os.PathLike, optimizer: torch.optim.
 
     def step(fn, here: bool):
         if distributed:
-            _collectively(fn if here else None, dist.group.WORLD, f"saving {directory}")
+            collectively(fn if here else None, dist.group.WORLD, f"saving {directory}")
         elif here:
             fn()
 

@@ -7,7 +7,7 @@ import warnings
 import torch
 from torch import fx, nn
 
-from moecompile.errors import MoECompileError
+from moecompile.core.errors import MoECompileError
 
 EXAMPLE_TOKENS = 8
 

@@ -1,0 +1,2 @@
+"""Leaf definitions every layer may import (activations, the FP8 format, errors, settings); torch and the standard
+library only, nothing else of moecompile."""
