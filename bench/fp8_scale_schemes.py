@@ -53,7 +53,7 @@ def _pow2_below(small, big):
 
 
 def weights(w, scheme):
-    """W [N, K] rounded to FP8 under scheme and back to float32 (ir/fp8_format.py's math where it has the scheme)."""
+    """W [N, K] rounded to FP8 under scheme and back to float32 (core/fp8_format.py's math where it has the scheme)."""
     if scheme == "chan":
         return K.fake_quantize_groups(w, w.shape[1])  # one group per row: per output channel
     if scheme == "block":
