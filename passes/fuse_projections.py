@@ -39,7 +39,8 @@ def _fusable(node: fx.Node, inputs: dict) -> tuple | None:
         return None
     x, w_node, b_node = arg(node, "input"), arg(node, "weight"), arg(node, "bias")
     w = _real(w_node, inputs)
-    if not isinstance(x, fx.Node) or w is None or w.dim() != 2:
+    # an empty weight (Qwen2-MoE's unused shared expert) saves nothing, and its storage may sit at a neighbour's address
+    if not isinstance(x, fx.Node) or w is None or w.dim() != 2 or w.numel() == 0:
         return None
     if b_node is None:
         return x, w_node, w, None, None

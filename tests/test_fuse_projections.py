@@ -128,3 +128,21 @@ def test_only_untied_weights_of_one_dtype_and_bias_kind_are_fused():
     with torch.no_grad():
         for got, want in zip(gm(*inputs), before, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_empty_shared_expert_loaded_from_disk_is_left_alone(tmp_path):
+    """Qwen2-MoE with shared_expert_intermediate_size 0 (what `convert` writes for Qwen2): loaded from safetensors, the
+    empty gate/up weights sit at the address of the next tensor; fusing them once made a view out of bounds."""
+    config = tiny_moe("tiny-qwen2-moe").config
+    model = type(tiny_moe("tiny-qwen2-moe"))(type(config)(**{**config.to_dict(), "shared_expert_intermediate_size": 0}))
+    model.save_pretrained(tmp_path)
+    model = type(model).from_pretrained(tmp_path).eval()
+    ((gm, inputs),) = dynamo_graphs(model, token_ids(), use_cache=False)
+    with torch.no_grad():
+        before = _logits(gm(*inputs))
+    report = fuse_projections(gm, PassContext(example_inputs=inputs))
+    gm.recompile()
+    assert not any("shared_expert." in line for line in report["fused"]), report  # q/k/v still fused
+    assert len(report["fused"]) == 2, report
+    with torch.no_grad():
+        torch.testing.assert_close(_logits(gm(*inputs)), before, rtol=1e-5, atol=1e-6)
