@@ -12,6 +12,7 @@ the moecompile:: custom ops are registered as soon as torch is imported, and the
 implementation ("moecompile") as soon as transformers' MoE integration is.
 """
 import importlib
+import importlib.machinery as _machinery
 import sys
 from pathlib import Path as _Path
 
@@ -20,9 +21,25 @@ import wrapt
 # A source checkout keeps the subpackages kernels/, passes/, runtime/ and examples/ beside this folder (pyproject's
 # package-dir). They are namespace folders (no __init__.py), so from the checkout's root they never shadow a
 # top-level package of the same name, such as Hugging Face's `kernels`; an installed wheel holds them inside.
+_CHECKOUT_FOLDERS = ("kernels", "passes", "runtime", "examples")
 _checkout = _Path(__file__).resolve().parent.parent
+
+
+class _CheckoutFolders:
+    """Finds moecompile.<folder> for exactly those folders of a source checkout (tests/ and bench/ stay outside)."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        package, _, folder = name.partition(".")
+        if package != __name__ or folder not in _CHECKOUT_FOLDERS:
+            return None
+        spec = _machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = [str(_checkout / folder)]
+        return spec
+
+
 if not (_Path(__file__).parent / "kernels").is_dir() and (_checkout / "kernels").is_dir():
-    __path__.append(str(_checkout))
+    sys.meta_path.insert(0, _CheckoutFolders)
 
 _PUBLIC = {  # name -> module that defines it
     "MoEBlock": "moecompile.ir.block", "MoEExperts": "moecompile.ir.block", "aux_loss": "moecompile.ir.block",

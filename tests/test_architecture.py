@@ -180,3 +180,17 @@ def test_every_subpackage_is_installed():
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "moecompile").rglob("__init__.py")}
     found |= {package for folder, package in FOLDERS.items() if folder != "moecompile"}
     assert found <= listed, sorted(found - listed)
+
+
+def test_only_the_mapped_folders_are_subpackages_of_a_checkout():
+    """From a source checkout moecompile.kernels / passes / runtime / examples are its folders; tests/ and bench/ are
+    not importable as moecompile.tests or moecompile.bench."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util as u, moecompile, moecompile.kernels, moecompile.passes, moecompile.runtime; "
+            "print(u.find_spec('moecompile.tests'), u.find_spec('moecompile.bench'), "
+            "*(list(m.__path__)[0] for m in (moecompile.kernels, moecompile.passes, moecompile.runtime)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["None", "None", *(str(ROOT / f) for f in ("kernels", "passes", "runtime"))]
