@@ -94,6 +94,36 @@ def resolve_options(options: dict | None, mode: str | None = None) -> dict:
     return {key: options.get(key, default) for key, (_, default, _) in OPTIONS.items()}
 
 
+def recorded_options(model) -> dict:
+    """The backend options a converted model records in its config (config.json's "moecompile" entry: the capacity
+    factor chosen at conversion), which torch.compile with this backend and moecompile.compile both apply unless the
+    caller's options say otherwise."""
+    recorded = getattr(getattr(model, "config", None), "moecompile", None)
+    if isinstance(recorded, dict) and "capacity_factor" in recorded:
+        return {"capacity_factor": recorded["capacity_factor"]}
+    return {}
+
+
+def _traced_options() -> dict:
+    """recorded_options of the model in the frame Dynamo hands over: a module among its arguments (self of
+    model.forward), or a module an argument holds (as moecompile.generate's Generator holds its model); {} outside
+    Dynamo or where none records any."""
+    from torch._dynamo.symbolic_convert import tls
+
+    tx = getattr(tls, "current_tx", None)  # the frame being traced; None when the backend is called directly
+    candidates = []
+    for local in getattr(tx, "f_locals", {}).values():
+        if isinstance(local, torch.nn.Module):
+            candidates.append(local)
+        elif not isinstance(local, (torch.Tensor, type)) and hasattr(local, "__dict__"):
+            candidates += [v for v in vars(local).values() if isinstance(v, torch.nn.Module)]
+    for module in candidates:
+        found = recorded_options(module)
+        if found:
+            return found
+    return {}
+
+
 def one_row_linears(gm: fx.GraphModule) -> int:
     """How many of the graph's linears read a single row, when they are most of its linears (a batch-1 decode step,
     whose other linears may read the cache, as DeepSeek-V3's kv_b_proj does; not a prefill, whose one-row linear is
@@ -121,7 +151,7 @@ def moecompile_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
     """Dynamo backend: rewrite MoE blocks into moecompile ops, then inductor (or eager with inductor=False)."""
     from moecompile.passes.pipeline import run_pipeline
 
-    opts = resolve_options(options, mode)
+    opts = resolve_options({**_traced_options(), **(options or {})}, mode)
     training = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in example_inputs)
     if training and (opts["expert_parallel"] is not None or opts["fp8"]):
         raise MoECompileError(f"option {'fp8' if opts['fp8'] else 'expert_parallel'!r} is inference-only: call the "
@@ -199,9 +229,7 @@ def compile(model, *, fullgraph: bool = False, dynamic: bool | None = None, **op
 
     Options (see OPTIONS): inductor, mode, inductor_config, fuse, direct_experts, fuse_projections, gqa_attention,
     decode_matvec, capacity_factor, print_graph, fp8, expert_parallel."""
-    recorded = getattr(getattr(model, "config", None), "moecompile", None)  # a native checkpoint's conversion record
-    if isinstance(recorded, dict) and "capacity_factor" in recorded:
-        options.setdefault("capacity_factor", recorded["capacity_factor"])
+    options = {**recorded_options(model), **options}
     resolve_options(options)  # fail here, not at the first call
     return torch.compile(model, backend=moecompile_backend, fullgraph=fullgraph, dynamic=dynamic,
                          options=options or None)

@@ -1,5 +1,6 @@
 """direct_experts: dispatch -> experts -> combine becomes one moecompile::routed_experts where the batch is a few
-tokens (decode), as decode_sized decides from the graph's static token count.
+tokens (decode), as decode_sized decides from the graph's static token count; a symbolic count (a dynamic-shape
+graph) keeps the sorted path, which serves every count.
 
     before   rows, order, offsets = dispatch(x, ids, E)    y = experts(rows, offsets, ...)    combine(y, order, w)
     after    routed_experts(x, w, ids, ...).sum(1).to(x.dtype)
@@ -18,6 +19,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from moecompile.ir.ops import glu_args
 from moecompile.passes.nodes import arg, block_meta, call, call_op, moe_op, op_args, value
@@ -34,7 +36,9 @@ def decode_sized(tokens: int, top_k: int, num_experts: int) -> bool:
 
 
 def _static_int(size) -> int | None:
-    return size if isinstance(size, int) else None
+    """The size when it is known when the graph compiles; None for a symbolic one (a dynamic-shape graph's token
+    count), which then keeps the sorted batch path: the graph must serve every count its guards admit."""
+    return int(size) if is_concrete_int(size) else None
 
 
 def _match(combine: fx.Node):

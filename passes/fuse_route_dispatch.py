@@ -74,6 +74,23 @@ def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
         nodes.extend(inputs)
 
 
+def _place_users_after(start: fx.Node, fused: fx.Node, outs: list[fx.Node]) -> None:
+    """Move the nodes after start that read outs (the fused op's outputs) before they are defined (a split block's
+    unit gate weights read the expert ids before its dispatch), and the nodes reading those, to just after outs, in
+    their order: the graph stays topologically sorted."""
+    early, node = set(outs), start.next
+    moved = []
+    while node is not fused:
+        if any(a in early for a in node.all_input_nodes):
+            early.add(node)
+            moved.append(node)
+        node = node.next
+    last = outs[-1]
+    for node in moved:
+        last.append(node)
+        last = node
+
+
 def fuse_route_dispatch(gm: fx.GraphModule, ctx) -> dict:
     """Pass: fuse every router linear + route + dispatch chain into one route_dispatch node."""
     graph, fused = gm.graph, []
@@ -84,6 +101,7 @@ def fuse_route_dispatch(gm: fx.GraphModule, ctx) -> dict:
         route, linear, weight, bias, logits_fp32 = found
         r = _routing_args(route)
         meta = block_meta(dispatch)
+        route_at = route.prev  # where the routing was: its users between there and dispatch must now follow the op
         with graph.inserting_before(dispatch):
             node = call_op(graph, ROUTE_DISPATCH, meta, hidden=arg(dispatch, "hidden"), router_weight=weight,
                            router_bias=bias, **r, logits_fp32=logits_fp32)
@@ -97,6 +115,7 @@ def fuse_route_dispatch(gm: fx.GraphModule, ctx) -> dict:
         for getitem in new:
             if not getitem.users:
                 graph.erase_node(getitem)
+        _place_users_after(route_at, node, [g for g in new if g.users])
         _erase_unused(graph, [linear])  # the logits and their casts, unless used elsewhere
         fused.append(meta.get("moecompile_block", node.name))
     return {"fused": fused}

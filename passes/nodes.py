@@ -67,9 +67,22 @@ def value(node) -> object:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+def tensor(node) -> torch.Tensor | None:
+    """value(node) when it is a tensor; None for a symbolic size (a SymInt placeholder of a dynamic-shape graph),
+    a Python scalar or a node without one."""
+    v = value(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
 def scalar_args(node: fx.Node) -> list:
-    return [a for a in list(node.args) + list(node.kwargs.values()) if isinstance(a, (int, float))
-            and not isinstance(a, bool)]
+    """The node's number arguments: constants, and nodes of a symbolic number (dynamic=True makes a module's float
+    attribute a graph input that the graph reads with .item())."""
+    return [a for a in list(node.args) + list(node.kwargs.values()) if symbolic_number(a)
+            or (isinstance(a, (int, float)) and not isinstance(a, bool))]
+
+
+def symbolic_number(a) -> bool:
+    return isinstance(a, fx.Node) and isinstance(value(a), (torch.SymInt, torch.SymFloat))
 
 
 def cast_dtype(node: fx.Node):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 from moecompile import settings
@@ -66,11 +67,12 @@ class PassContext:
     input_aliases: list = field(default_factory=list)
 
 
-def output_signature(gm: fx.GraphModule) -> list | None:
+def output_signature(gm: fx.GraphModule, memo: dict | None = None) -> list | None:
     """Shapes and dtypes of gm's outputs, by fake-tensor propagation from the placeholders' example values; None
-    when the graph carries none (then only lint checks it)."""
+    when the graph carries none (then only lint checks it). With a memo (node -> its call and value, filled here)
+    a node whose call is unchanged and whose inputs kept their metadata keeps its value: a pass's check
+    propagates what the pass changed and what that changes."""
     from torch._subclasses.fake_tensor import FakeTensor
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     inputs = [value(n) for n in gm.graph.nodes if n.op == "placeholder"]
     modes = {v.fake_mode for v in inputs if isinstance(v, FakeTensor)}
@@ -81,20 +83,51 @@ def output_signature(gm: fx.GraphModule) -> list | None:
     allow = mode.allow_non_fake_inputs
     mode.allow_non_fake_inputs = True  # constants a pass added (get_attr) are real tensors
     try:
-        out = FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+        out = _Propagation(gm, mode, {} if memo is None else memo).propagate_dont_convert_inputs(*inputs)
     finally:
         mode.allow_non_fake_inputs = allow
     return [(str(tuple(v.shape)), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
             for v in pytree.tree_leaves(out)]
 
 
-def _check(gm: fx.GraphModule, name: str, expected: list | None) -> None:
+def _call(node: fx.Node) -> tuple:
+    return node.op, node.target, node.args, node.kwargs
+
+
+def _metadata(v) -> object:
+    """What a node's readers see of its value: shape, strides, dtype and device of each tensor; other values."""
+    return [(str(tuple(t.shape)), str(t.stride()), t.dtype, t.device) if isinstance(t, torch.Tensor) else
+            (type(t).__name__, str(t)) for t in pytree.tree_leaves(v)]
+
+
+class _Propagation(FakeTensorProp):
+    def __init__(self, gm: fx.GraphModule, mode, memo: dict):
+        super().__init__(gm, mode)
+        self.memo, self.changed = memo, set()
+
+    def run_node(self, n: fx.Node):
+        kept = self.memo.get(n)
+        if kept is not None and n.op != "placeholder" and not any(a in self.changed for a in n.all_input_nodes):
+            try:
+                same = kept[0] == _call(n)
+            except Exception:  # noqa: BLE001 - an argument without a plain == (a tensor constant): recompute
+                same = False
+            if same:
+                return kept[1]
+        result = super().run_node(n)
+        if kept is None or _metadata(kept[1]) != _metadata(result):
+            self.changed.add(n)
+        self.memo[n] = (_call(n), result)
+        return result
+
+
+def _check(gm: fx.GraphModule, name: str, expected: list | None, before: str, memo: dict) -> None:
     gm.graph.lint()
     gm.recompile()
-    if expected is None:
+    if expected is None or gm.code == before:  # an unchanged graph was checked already
         return
     try:
-        got = output_signature(gm)
+        got = output_signature(gm, memo)
     except GuardOnDataDependentSymNode:  # split sizes exchanged between ranks (insert_all_to_all): lint only
         return
     except Exception as e:  # noqa: BLE001 - any other failure to propagate is the pass's fault
@@ -117,8 +150,9 @@ def run_pipeline(gm: fx.GraphModule, options: dict | None = None, passes=None, p
     ctx = PassContext(options=dict(options or {}), pipeline=pipeline, example_inputs=example_inputs,
                       training=training)
     verbose = settings.print_graph() or bool(ctx.options.get("print_graph"))
+    memo = {}  # each node's call and value at the last check
     try:
-        expected = output_signature(gm)
+        expected = output_signature(gm, memo)
     except Exception:  # noqa: BLE001 - a graph fake tensors cannot run (real get_attr weights): lint only
         expected = None
     ctx.checked = "lint" if expected is None else "fake"
@@ -131,8 +165,9 @@ def run_pipeline(gm: fx.GraphModule, options: dict | None = None, passes=None, p
             if verbose:
                 print(f"=== after {p.__name__}: skipped, {why}: graph unchanged ===")
             continue
+        before = gm.code
         report = p(gm, ctx)
-        _check(gm, p.__name__, expected)
+        _check(gm, p.__name__, expected, before, memo)
         ctx.reports.append((p.__name__, report))
         if verbose:
             print(f"=== after {p.__name__}: {report} ===\n" + gm.graph.python_code("self").src)

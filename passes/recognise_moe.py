@@ -26,6 +26,8 @@ from moecompile.passes.nodes import (
     outputs,
     scalar_args,
     strip_casts,
+    symbolic_number,
+    tensor,
     value,
 )
 
@@ -78,8 +80,14 @@ def _external_inputs(nodes: list[fx.Node]) -> list[fx.Node]:
 
 
 def _escaping(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The nodes' values read outside them; sizes left out (a dynamic-shape graph computes a symbolic size once and
+    reads it wherever it recurs, so a size first computed inside the experts is read by later layers too)."""
     inside = set(nodes)
-    return [n for n in nodes if any(u not in inside for u in n.users)]
+    return [n for n in nodes if any(u not in inside for u in n.users) and not _size(n)]
+
+
+def _size(node: fx.Node) -> bool:
+    return isinstance(value(node), (int, torch.SymInt))
 
 
 def _descendants(node: fx.Node, within: set) -> set:
@@ -100,8 +108,8 @@ def _routing(router: list[fx.Node], experts: list[fx.Node]) -> dict:
     logits = linears[0]
     weight, _ = strip_casts(arg(logits, "weight"))
     into_experts = [n for n in _escaping(router) if any(u in set(experts) for u in n.users)]
-    ids = [n for n in into_experts if value(n) is not None and not value(n).dtype.is_floating_point]
-    weights = [n for n in into_experts if value(n) is not None and value(n).dtype.is_floating_point]
+    ids = [n for n in into_experts if tensor(n) is not None and not tensor(n).dtype.is_floating_point]
+    weights = [n for n in into_experts if tensor(n) is not None and tensor(n).dtype.is_floating_point]
     if len(ids) != 1 or len(weights) != 1:
         raise NotRecognised("router outputs are not one weights and one ids tensor (graph break inside the block?)")
     topks = [n for n in router if kind(n) == "topk"]
@@ -112,22 +120,25 @@ def _routing(router: list[fx.Node], experts: list[fx.Node]) -> dict:
     scoring = "sigmoid" if any(kind(n) == "sigmoid" for n in router) else "softmax" if softmaxes else None
     if scoring is None:
         raise NotRecognised("router computes neither softmax nor sigmoid scores")
-    info = {**GROUPED, "logits": logits, "weight": weight, "top_k": value(ids[0]).shape[-1],
-            "num_experts": value(weight).shape[0], "scoring": scoring}
+    info = {**GROUPED, "logits": logits, "weight": weight, "top_k": tensor(ids[0]).shape[-1],
+            "num_experts": tensor(weight).shape[0], "scoring": scoring}
     # GPT-OSS: softmax over the top-k logits == softmax over all, top-k, renormalised
     info["renormalize"] = any(s in after for s in softmaxes) or any(kind(n) == "div" for n in after)
-    for n in after:
-        if kind(n) == "mul" and len(scalar_args(n)) == 1 and len(n.all_input_nodes) == 1:
-            info["scaling_factor"] *= float(scalar_args(n)[0])
+    scales = [scalar_args(n)[0] for n in after if kind(n) == "mul" and len(scalar_args(n)) == 1
+              and len(n.all_input_nodes) == 1 + symbolic_number(scalar_args(n)[0])]
+    if any(symbolic_number(a) for a in scales) and len(scales) > 1:
+        raise NotRecognised("the routing weights are scaled more than once, by a graph input among others")
+    for a in scales:  # a graph input (dynamic=True) is passed on as it is
+        info["scaling_factor"] = a if symbolic_number(a) else info["scaling_factor"] * float(a)
     if len(topks) == 3:  # DeepSeek-V3: group score = sum of the two best, keep topk_group groups, then top-k
-        grouped = value(arg(topks[0], "input"))
+        grouped = tensor(arg(topks[0], "input"))
         if grouped is None or grouped.dim() != 3 or arg(topks[0], "k") != min(2, grouped.shape[-1]):
             raise NotRecognised("expert groups are not scored by their two best experts")
         info["n_group"], info["topk_group"] = int(grouped.shape[1]), int(arg(topks[1], "k"))
     for n in router:
         if kind(n) == "add" and scoring == "sigmoid":
             biases = [a for a in n.all_input_nodes if a.op == "placeholder" or a.op == "get_attr"]
-            if len(biases) == 1 and value(biases[0]) is not None and value(biases[0]).dim() == 1:
+            if len(biases) == 1 and tensor(biases[0]) is not None and tensor(biases[0]).dim() == 1:
                 info["correction_bias"] = biases[0]
     return info
 
@@ -159,12 +170,12 @@ def _experts(experts: list[fx.Node], hidden_size: int) -> dict:
         args = op_args(existing[0])
         return {k: args[k] for k in ("w_in", "b_in", "w_out", "b_out", "activation", "gated", "interleaved", "alpha",
                                      "limit")} | {"transpose": False}
-    params = [a for a in _external_inputs(experts) if a.op in ("placeholder", "get_attr") and value(a) is not None]
-    mats = [p for p in params if value(p).dim() == 3]
-    vecs = [p for p in params if value(p).dim() == 2]
+    params = [a for a in _external_inputs(experts) if a.op in ("placeholder", "get_attr") and tensor(a) is not None]
+    mats = [p for p in params if tensor(p).dim() == 3]
+    vecs = [p for p in params if tensor(p).dim() == 2]
     if len(mats) != 2 or len(vecs) not in (0, 2):
         raise NotRecognised(f"experts hold {len(mats)} 3D weights and {len(vecs)} biases, expected 2 and 0 or 2")
-    gate_up, down = (value(m).shape for m in mats)
+    gate_up, down = (tensor(m).shape for m in mats)
     if gate_up[2] == hidden_size and down[1] == hidden_size and gate_up[1] == 2 * down[2]:
         transpose = False  # [E, 2I, H], [E, H, I]: moecompile's own layout
     elif gate_up[1] == hidden_size and down[2] == hidden_size and gate_up[2] == 2 * down[1]:
@@ -186,14 +197,23 @@ def _experts(experts: list[fx.Node], hidden_size: int) -> dict:
             raise NotRecognised("experts' act_fn is none of the known activations")
         return spec
     # no act_fn module: a custom gate such as GPT-OSS's clamp / sigmoid(alpha * gate) SwiGLU
-    clamps = [n for n in experts if kind(n) == "clamp" and value(n) is not None and value(n).dtype.is_floating_point]
+    clamps = [n for n in experts if kind(n) == "clamp" and tensor(n) is not None and tensor(n).dtype.is_floating_point]
     upper = [arg(n, "max") for n in clamps if arg(n, "min") is None]
     alphas = [scalar_args(n)[0] for n in experts if kind(n) == "mul" and len(scalar_args(n)) == 1
               and any(kind(u) == "sigmoid" for u in n.users)]
     if len(upper) != 1 or len(alphas) != 1 or not any(kind(n) == "sigmoid" for n in experts):
         raise NotRecognised("experts' gate function is neither act(gate) * up nor GPT-OSS's clamped SwiGLU")
-    spec.update(activation="swiglu_oai", limit=float(upper[0]), alpha=float(alphas[0]))
+    spec.update(activation="swiglu_oai", limit=_number(upper[0]), alpha=_number(alphas[0]))
     return spec
+
+
+def _number(a):
+    """A float constant as a float; a symbolic one (a graph node) as the node, which the experts op then reads."""
+    return a if symbolic_number(a) else float(a)
+
+
+def _describe(a) -> str:
+    return a.name if isinstance(a, fx.Node) else f"{a:g}"
 
 
 def _steps_by_two(index) -> bool:
@@ -211,9 +231,9 @@ def _hidden_input(router: list[fx.Node], experts: list[fx.Node]) -> fx.Node:
     """The token rows the experts take: their one floating-point input computed outside router and parameters."""
     inside_router = set(router)
     candidates = [a for a in _external_inputs(experts) if a not in inside_router
-                  and a.op not in ("placeholder", "get_attr") and value(a) is not None
-                  and value(a).dtype.is_floating_point]
-    if len(candidates) != 1 or value(candidates[0]).dim() != 2:
+                  and a.op not in ("placeholder", "get_attr") and tensor(a) is not None
+                  and tensor(a).dtype.is_floating_point]
+    if len(candidates) != 1 or tensor(candidates[0]).dim() != 2:
         raise NotRecognised("experts do not take one [tokens, hidden] input")
     return candidates[0]
 
@@ -224,7 +244,7 @@ def _rewrite(gm: fx.GraphModule, path: str, block: dict) -> str:
         raise NotRecognised("router or experts missing from this graph (graph break inside the block?)")
     r = _routing(router, experts)
     hidden = _hidden_input(router, experts)
-    x = _experts(experts, value(hidden).shape[-1])
+    x = _experts(experts, tensor(hidden).shape[-1])
     escaping = _escaping(experts)
     if len(escaping) != 1:
         raise NotRecognised(f"experts have {len(escaping)} outputs, expected 1")
@@ -260,9 +280,9 @@ def _rewrite(gm: fx.GraphModule, path: str, block: dict) -> str:
         desc.append("correction bias")
     if r["n_group"] > 1:
         desc.append(f"{r['topk_group']} of {r['n_group']} groups")
-    if r["scaling_factor"] != 1.0:
-        desc.append(f"scaled x{r['scaling_factor']:g}")
-    desc.append(x["activation"] + (f" (alpha {x['alpha']:g}, limit {x['limit']:g})"
+    if symbolic_number(r["scaling_factor"]) or r["scaling_factor"] != 1.0:
+        desc.append(f"scaled x{_describe(r['scaling_factor'])}")
+    desc.append(x["activation"] + (f" (alpha {_describe(x['alpha'])}, limit {_describe(x['limit'])})"
                                    if x["activation"] == "swiglu_oai" else ""))
     if x["interleaved"]:
         desc.append("interleaved gate/up")
