@@ -289,8 +289,6 @@ MOECOMPILE_FORMAT = ["gpt2-upcycle", "gpt2-split", "bert-upcycle", "bert-split",
                      "llama-split-stream"]
 HF_FAMILIES = [r for r in ROUTES if r.startswith("hf-")]
 NATIVE = ["llama-native", "mistral-native", "qwen2-native", "qwen3-native", "llama-native-fp8"]
-ONNX_HF = ("torch.onnx cannot export Hugging Face's experts modules (`transformers::grouped_mm_fallback` has no "
-           "ONNX form; with eager experts, a data-dependent guard)")
 QWEN2_EMPTY_SHARED = ("`fuse_projections` fails on the Qwen2-MoE output's empty shared expert (setStorage: "
                       "sizes [1, 32] out of bounds for storage of size 0)")
 DYNAMIC_TEST = "tests/test_backend_dynamic.py::test_hf_moe_families_on_dynamic_shapes"
@@ -310,9 +308,6 @@ CELLS: dict[tuple[str, str], tuple[str, str]] = {
         ("moecompile.compile", "hf-mixtral `torch.compile`: moecompile.compile is it with the recorded options"),
         ("generate", "tests/test_generation.py::test_compiled_decode_step_matches_hf"),
         ("hf-experts", "tests/test_backend.py::test_hf_experts_implementation")]},
-    ("hf-mixtral", "export-onnx"): ("xfail", ONNX_HF),
-    **{(r, "export-onnx"): ("same", f"fails as HF Mixtral's does: {ONNX_HF}") for r in HF_FAMILIES + NATIVE
-       if r != "hf-mixtral"},
     ("hf-gpt-oss", "quantize"): ("refused", 'GPT-OSS keeps its experts fused: "no per-expert weights"'),
     ("gpt2-fp8", "quantize"): ("refused", '"experts already in FP8"'),
     ("llama-native-fp8", "quantize"): ("refused", '"quantised already"'),
@@ -341,6 +336,10 @@ CELLS: dict[tuple[str, str], tuple[str, str]] = {
     ("qwen3-native", "compile"): ("same", "as tests/test_backend.py::test_compiled_matches_eager (Qwen3-MoE)"),
     **{("llama-native", c): ("same", f"as {DYNAMIC_TEST}") for c in ("compile-2nd-length", "compile-dynamic")},
     ("llama-native", "generate"): ("same", "as tests/test_generation.py::test_compiled_decode_step_matches_hf"),
+    # routers and shared experts export as plain torch ops: only the experts' form makes an ONNX path of its own
+    **{(r, "export-onnx"): ("same", "as HF Mixtral (the same experts module form)")
+       for r in ("hf-qwen2-moe", "hf-qwen3-moe", "hf-olmoe", "hf-deepseek-v3", "llama-native", "mistral-native",
+                 "qwen2-native", "qwen3-native", "llama-native-fp8")},
     ("gpt2-upcycle", "export-onnx"): ("same", "as tests/test_onnx.py::test_converted_tiny_model_matches_torch"),
     ("llama-split-stream", "export-onnx"): ("same", "as gpt2-split (a split block) and "
                                                     "tests/test_onnx.py::test_converted_tiny_model_matches_torch "
