@@ -148,11 +148,11 @@ def _fp8_close(got, want):
     assert cosine.mean() > 0.97 and cosine.min() > 0.85 and not torch.equal(got, want)
 
 
-def _moe_graphs(b: Built, calls: int) -> None:
-    """No fallback to eager: the backend compiled a graph per call, each running every MoE block as moecompile ops
+def _moe_graphs(b: Built, graphs: int) -> None:
+    """No fallback to eager: the backend compiled `graphs` graphs, each running every MoE block as moecompile ops
     (a recognised HF block or a moecompile block traced: one combine each)."""
     done = [len(moe_nodes(r.graph_module, "combine")) for r in backend.records()]
-    assert [n for n in done if n] == [b.blocks] * calls, done  # dynamic=True: a graph break before the first
+    assert [n for n in done if n] == [b.blocks] * graphs, done  # dynamic=True: a graph break before the first
 
 
 def check_load(b: Built, tmp: Path, capsys):
@@ -169,42 +169,35 @@ def check_transformers(b: Built, tmp: Path, capsys):
     _fp8_close(got, want) if b.fp8 else _close(got, want)
 
 
-def _compiled(b: Built, lengths, **kw):
+def _compiled(b: Built, lengths: list[int], graphs: int, compile_model=None):
+    """The compiled model against its eager self at each sequence length, and the graphs the backend compiled."""
     model = _load(b)
     torch._dynamo.reset()
     backend.clear_records()
-    compiled = torch.compile(model, backend="moecompile", options=NO_INDUCTOR, **kw)
+    compiled = (compile_model or (lambda m: torch.compile(m, backend="moecompile", options=NO_INDUCTOR)))(model)
     try:
         for seq in lengths:
             ids = _ids(seq)
             _close(_out(compiled, ids), _out(model, ids))
-        _moe_graphs(b, len(lengths))
+        _moe_graphs(b, graphs)
     finally:
         torch._dynamo.reset()
 
 
 def check_compile(b: Built, tmp: Path, capsys):
-    _compiled(b, [8])
+    _compiled(b, [8], 1)
 
 
 def check_compile_second_length(b: Built, tmp: Path, capsys):
-    _compiled(b, [8, 11])  # the second length: Dynamo's automatic dynamic shapes retrace with symbolic sizes
+    _compiled(b, [8, 11], 2)  # the second length: Dynamo's automatic dynamic shapes retrace with symbolic sizes
 
 
 def check_compile_dynamic(b: Built, tmp: Path, capsys):
-    _compiled(b, [8, 11][:1], dynamic=True)
+    _compiled(b, [8, 11], 1, lambda m: torch.compile(m, backend="moecompile", dynamic=True, options=NO_INDUCTOR))
 
 
 def check_moecompile_compile(b: Built, tmp: Path, capsys):
-    model = _load(b)
-    torch._dynamo.reset()
-    backend.clear_records()
-    try:
-        ids = _ids()
-        _close(_out(moecompile.compile(model, inductor=False), ids), _out(model, ids))
-        _moe_graphs(b, 1)
-    finally:
-        torch._dynamo.reset()
+    _compiled(b, [8], 1, lambda m: moecompile.compile(m, inductor=False))
 
 
 def check_generate(b: Built, tmp: Path, capsys):
