@@ -306,8 +306,6 @@ CELLS: dict[tuple[str, str], tuple[str, str]] = {
         ("moecompile.compile", "tests/test_backend_dynamic.py::test_recorded_capacity_factor_applies_alike"),
         ("generate", "tests/test_generation.py::test_compiled_decode_step_matches_hf"),
         ("hf-experts", "tests/test_backend.py::test_hf_experts_implementation")]},
-    ("hf-gpt-oss", "export-onnx"): ("same", "as tests/test_onnx.py::test_hf_moe_model_exports_through_moecompiles_"
-                                            "experts"),
     ("hf-gpt-oss", "quantize"): ("refused", 'GPT-OSS keeps its experts fused: "no per-expert weights"'),
     ("gpt2-fp8", "quantize"): ("refused", '"experts already in FP8"'),
     ("llama-native-fp8", "quantize"): ("refused", '"quantised already"'),
@@ -339,10 +337,9 @@ CELLS: dict[tuple[str, str], tuple[str, str]] = {
     ("qwen3-native", "compile"): ("same", "as tests/test_backend.py::test_compiled_matches_eager (Qwen3-MoE)"),
     **{("llama-native", c): ("same", f"as {DYNAMIC_TEST}") for c in ("compile-2nd-length", "compile-dynamic")},
     ("llama-native", "generate"): ("same", "as tests/test_generation.py::test_compiled_decode_step_matches_hf"),
-    # routers and shared experts export as plain torch ops: only the experts' form makes an ONNX path of its own
-    **{(r, "export-onnx"): ("same", "as HF Mixtral (the same experts module form)")
-       for r in ("hf-qwen2-moe", "hf-qwen3-moe", "hf-olmoe", "hf-deepseek-v3", "llama-native", "mistral-native",
-                 "qwen2-native", "qwen3-native", "llama-native-fp8")},
+    # routers and shared experts export as plain torch ops; every HF experts module exports as moecompile's ops
+    **{(r, "export-onnx"): ("same", "as tests/test_onnx.py::test_hf_moe_model_exports_through_moecompiles_experts "
+                                    "(HF experts modules as moecompile's ops)") for r in HF_FAMILIES + NATIVE},
     ("gpt2-upcycle", "export-onnx"): ("same", "as tests/test_onnx.py::test_converted_tiny_model_matches_torch"),
     ("llama-split-stream", "export-onnx"): ("same", "as gpt2-split (a split block) and "
                                                     "tests/test_onnx.py::test_converted_tiny_model_matches_torch "

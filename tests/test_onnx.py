@@ -265,14 +265,15 @@ def test_per_call_override_is_refused(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_hf_moe_model_exports_through_moecompiles_experts(tmp_path):
+@pytest.mark.parametrize("family", ["tiny-mixtral", "tiny-gpt-oss"])
+def test_hf_moe_model_exports_through_moecompiles_experts(tmp_path, family):
     """An HF MoE model's experts modules export as moecompile's ops (HF's own have no ONNX form), GPT-OSS's
     interleaved, clamped SwiGLU included; the model keeps its experts implementation."""
     from hf_moe import tiny_moe
 
     from moecompile.io.onnx_export import compare_onnxruntime
 
-    model = tiny_moe("tiny-gpt-oss")
+    model = tiny_moe(family)
     before = model.config._experts_implementation
     export_onnx(model, tmp_path / "m.onnx", progress=False)
     assert model.config._experts_implementation == before != "moecompile"
