@@ -390,11 +390,11 @@ def readme_table() -> str:
             if status == "yes":
                 cells.append("yes")
                 continue
-            note = {"refused": "refused: ", "n/a": "", "same": "trimmed, the same path ", "xfail": "fails: "}[status]
-            note += reason
+            fails = status == "xfail" or reason.startswith("fails")
+            note = {"refused": "refused: ", "n/a": "", "xfail": "fails: ",
+                    "same": "not run, it " if fails else "the same path "}[status] + reason
             if note not in notes:
                 notes.append(note)
-            fails = status == "xfail" or reason.startswith("fails")
             label = "**fails**" if fails else {"refused": "no", "same": "yes", "n/a": "n/a"}[status]
             cells.append(f"{label} [{notes.index(note) + 1}]")
         rows.append(f"| {what} | " + " | ".join(cells) + " |")
