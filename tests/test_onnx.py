@@ -263,3 +263,21 @@ def test_per_call_override_is_refused(tmp_path):
     with pytest.raises(MoECompileError, match="override"):
         export_onnx(Override(), tmp_path / "o.onnx", args=(_tokens(4, 0),), progress=False)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("family", ["tiny-mixtral", "tiny-gpt-oss"])
+def test_hf_moe_model_exports_through_moecompiles_experts(tmp_path, family):
+    """An HF MoE model's experts modules export as moecompile's ops (HF's own have no ONNX form), GPT-OSS's
+    interleaved, clamped SwiGLU included; the model keeps its experts implementation."""
+    from hf_moe import tiny_moe
+
+    from moecompile.io.onnx_export import compare_onnxruntime
+
+    model = tiny_moe(family)
+    before = model.config._experts_implementation
+    export_onnx(model, tmp_path / "m.onnx", progress=False)
+    assert model.config._experts_implementation == before != "moecompile"
+    ids = token_ids(model, 2, 8, seed=3)
+    with torch.no_grad():
+        assert model(ids).logits.std() > 0.1
+    assert compare_onnxruntime(model, tmp_path / "m.onnx", [(ids,)])[0] < ATOL

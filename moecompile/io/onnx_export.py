@@ -215,7 +215,22 @@ def translation_table() -> dict:
             return op.Mul(h, op.Sigmoid(h))
         raise MoECompileError(f"no ONNX lowering for activation {name!r}")
 
-    def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
+    def scalar(value: float, like):
+        return op.Constant(value=ir.tensor([value], dtype=like.dtype))
+
+    def gated_activation(h, inner: int, name: str, interleaved: bool, alpha: float, limit: float):
+        """ir.activations.expert_activation for gated experts: [gate | up] halves or interleaved columns."""
+        step = const([2 if interleaved else 1])
+        gate = op.Slice(h, const([0]), const([2 * inner if interleaved else inner]), const([1]), step)
+        up = op.Slice(h, const([1 if interleaved else inner]), const([2 * inner]), const([1]), step)
+        if name != "swiglu_oai":
+            return op.Mul(act(gate, name), up)
+        g = op.Min(gate, scalar(limit, h))  # GPT-OSS: gate clamped above, up both sides
+        u = op.Max(op.Min(up, scalar(limit, h)), scalar(-limit, h))
+        return op.Mul(op.Add(u, scalar(1.0, h)), op.Mul(g, op.Sigmoid(op.Mul(g, scalar(alpha, h)))))
+
+    def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool, interleaved: bool = False,
+                alpha: float = 1.702, limit: float = 7.0):
         num_experts = static_dim(w_in, 0, "expert count")
         hidden = static_dim(w_out, 1, "hidden size")
         inner = static_dim(w_out, 2, "expert size")
@@ -229,9 +244,7 @@ def translation_table() -> dict:
             h = op.Gemm(xe, op.Gather(w_in, index, axis=0),
                         *([op.Gather(b_in, index, axis=0)] if b_in is not None else []), transB=1)
             if gated:
-                gate = op.Slice(h, const([0]), const([inner]), const([1]))
-                up = op.Slice(h, const([inner]), const([2 * inner]), const([1]))
-                a = op.Mul(act(gate, activation), up)
+                a = gated_activation(h, inner, activation, interleaved, alpha, limit)
             else:
                 a = act(h, activation)
             outs.append(op.Gemm(a, op.Gather(w_out, index, axis=0),
@@ -310,6 +323,22 @@ def _no_cache(model: nn.Module):
             config.use_cache = cached
 
 
+@contextlib.contextmanager
+def _hf_experts_as_moecompile_ops(model: nn.Module):
+    """An HF MoE model's experts modules run as moecompile's ops while exporting: torch.onnx has no form for HF's
+    own implementations (grouped_mm's custom op; the eager loop's data-dependent shapes)."""
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    previous = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    if can_set is None or previous in (None, "moecompile") or not can_set():
+        yield
+        return
+    model.set_experts_implementation("moecompile")
+    try:
+        yield
+    finally:
+        model.set_experts_implementation(previous)
+
+
 def _output_names(out) -> list[str] | None:
     """An HF ModelOutput's field names, in the order torch.onnx flattens its tensors."""
     if hasattr(out, "keys") and all(isinstance(v, torch.Tensor) for v in out.values()):
@@ -346,7 +375,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, args: tuple | None = 
     report = ExportReport(path)
     try:
         with tqdm(total=2, desc="export onnx", unit="step", disable=not progress) as steps, \
-                _no_cache(model), torch.no_grad():
+                _no_cache(model), _hf_experts_as_moecompile_ops(model), torch.no_grad():
             names = _output_names(model(*args, **kwargs))
             with _export_view(model, contrib, report.blocks), _quiet_exporter():
                 try:
