@@ -33,9 +33,7 @@ class _CheckoutFolders:
         package, _, folder = name.partition(".")
         if package != __name__ or folder not in _CHECKOUT_FOLDERS:
             return None
-        spec = _machinery.ModuleSpec(name, None, is_package=True)
-        spec.submodule_search_locations = [str(_checkout / folder)]
-        return spec
+        return _machinery.PathFinder.find_spec(name, [str(_checkout)])  # the folder as a namespace package
 
 
 if not (_Path(__file__).parent / "kernels").is_dir() and (_checkout / "kernels").is_dir():
