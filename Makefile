@@ -1,12 +1,12 @@
 # make demo: create the environment, install, convert the packaged all-MiniLM-L6-v2 into an MoE model, summarise.
-# make test: create the environment if needed and run the test suite.
+# make test: create the environment if needed and run the test suite (CI's); make test-slow: the full-size tests.
 # make lint: ruff (style, import order, 120 columns) over the tree.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT := build/demo/minilm-moe8
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test test-slow lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,11 @@ demo: install
 	$(VENV)/bin/moecompile inspect $(DEMO_OUT)
 
 test: install
-	# one thread per worker: two workers on two cores, no oversubscription
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 -m "not gpu" --durations=15
+	# one thread per worker: two workers on two cores, no oversubscription; worksteal evens out the long tail
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist worksteal -m "not gpu and not slow" --durations=15
+
+test-slow: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "slow and not gpu" --durations=5
 
 lint: install
 	$(VENV)/bin/ruff check .

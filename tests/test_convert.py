@@ -515,7 +515,6 @@ def _embed(model, batch):
     return (h * mask).sum(1) / mask.sum(1)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method, top_k", [("upcycle", 2), ("split", 4)])
 def test_minilm_embeddings_match_dense(minilm, method, top_k):
     model, batch = minilm

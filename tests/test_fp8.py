@@ -536,7 +536,6 @@ def _layer_errors(moe, quantized, batch) -> list[float]:
     return errors
 
 
-@pytest.mark.slow
 def test_minilm_fp8_accuracy(minilm_fp8):
     """Mean-pooled sentence embeddings keep cosine >= 0.99 against the dense model; per layer within 3e-2 of bf16
     (_layer_errors)."""
@@ -547,7 +546,6 @@ def test_minilm_fp8_accuracy(minilm_fp8):
     assert len(errors) == 6 and max(errors) <= 3e-2, errors
 
 
-@pytest.mark.slow
 def test_minilm_fp8_accuracy_with_the_rowwise_gpu_math(minilm_fp8, monkeypatch):
     """The math of the GPU's rowwise kernels (weights and activations rounded once more) keeps the embeddings
     (cosine 0.997-0.998 here) but not the per-layer bar of 3e-2: 1.4e-2 to 4.2e-2 (3 of 6 layers above 3e-2; the
@@ -562,7 +560,6 @@ def test_minilm_fp8_accuracy_with_the_rowwise_gpu_math(minilm_fp8, monkeypatch):
     assert len(errors) == 6 and max(errors) <= 4.5e-2, errors
 
 
-@pytest.mark.slow
 def test_minilm_fp8_accuracy_with_the_cutlass_gpu_math(minilm_fp8, monkeypatch):
     """The math of the GPU's CUTLASS block path (the block math, GEMM outputs in bf16) keeps the embeddings and the
     per-layer bar of 3e-2."""
