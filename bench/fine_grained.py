@@ -144,7 +144,7 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm):
     r = {}
     with torch.no_grad():
         ref = moe_layer.reference_fp32(ours, x, 0.0).reshape(x2.shape)
-        _, ids = routing(ours, x2, k)
+        weights, ids = routing(ours, x2, k)
         r["dense"] = dense_time(d, f, tokens * k)
         r["bare"] = moe_layer.bare_grouped_gemms(d, f, e, k, tokens)
         r.update({f"gemms {kk}": v for kk, v in gemm_times(ours, x2, ids, notes).items()})
@@ -170,8 +170,7 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm):
             from peers import vllm_fused_moe as vp
 
             def vllm_times():
-                weights, ids_ = routing(ours, x2, k)
-                peer = vp.prepare(x2, ours.experts.w_in, ours.experts.w_out, weights.to(x.dtype), ids_)
+                peer = vp.prepare(x2, ours.experts.w_in, ours.experts.w_out, weights.to(x.dtype), ids)
                 errs["vllm"] = moe_layer.rel(peer.layer(), ref)
                 return bench(vp.cuda_graph(peer.gemms)), bench(vp.cuda_graph(peer.layer))
             v = attempt("vLLM", vllm_times, notes)
