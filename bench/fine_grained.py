@@ -104,8 +104,11 @@ def gathered_quack(ours, x2, k, interleaved):
     """(ms, output): the layer with QuACK's first projection gathering rows (no dispatch copy); interleaved: W_in's
     gate and up rows alternating (SonicMoE's layout, converted once here) instead of gate rows first."""
     from moecompile.kernels import quack_gemm, reference, triton_moe, triton_routing
+    from moecompile.runtime import choices
 
     w_in, w_out, e = ours.experts.w_in, ours.experts.w_out, ours.config.num_experts
+    first = choices.quack_config("first", w_in.shape[2], w_in.shape[1], gathered=True)
+    second = choices.quack_config("second", w_out.shape[2], w_out.shape[1])
     if interleaved:
         w_in = torch.stack(w_in.chunk(2, dim=1), dim=2).flatten(1, 2)
 
@@ -115,8 +118,9 @@ def gathered_quack(ours, x2, k, interleaved):
         _, order, offsets = triton_routing.dispatch(x2, ids, e, copy_rows=False)
         cu = quack_gemm.group_starts(offsets)
         a = quack_gemm.first_projection(x2, cu, w_in, None, "silu", True,
-                                        gather_rows=(order // k).to(torch.int32), interleaved=interleaved)
-        return triton_moe.combine(quack_gemm.second_projection(a, cu, w_out, None), order, weights)
+                                        gather_rows=(order // k).to(torch.int32), interleaved=interleaved,
+                                        config=first)
+        return triton_moe.combine(quack_gemm.second_projection(a, cu, w_out, None, config=second), order, weights)
 
     out = layer()
     return graph_bench(layer), out

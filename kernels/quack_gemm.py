@@ -3,6 +3,9 @@
 from the device as a cumulative table, so no host synchronisation); the first takes its activation (gated or not)
 in the epilogue and can gather its A rows straight from the token matrix (`gather_rows`: no permuted copy written).
 
+Each call runs the tile configuration it is given (`config`: GemmConfig's fields, from the runtime's tuned table) or
+QuACK's default, never QuACK's autotuner: that would compile and time every candidate at each new row count.
+
 Leaf module: torch and, lazily, quack. `supported` says whether a call can run here; callers fall back otherwise.
 """
 from __future__ import annotations
@@ -27,7 +30,8 @@ def _quack():
 
 
 def available(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and _quack() is not None
+    return (device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
+            and _quack() is not None)
 
 
 def supported(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, activation: str | None, gated: bool) -> bool:
@@ -38,13 +42,23 @@ def supported(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, activati
             and (activation is None or (activation, gated) in ACTIVATIONS) and available(x.device))
 
 
+def gemm_config(config: dict | None):
+    """QuACK's GemmConfig from its fields (None: QuACK's default for the device)."""
+    if config is None:
+        return None
+    from quack.gemm_config import GemmConfig
+
+    return GemmConfig(**config)
+
+
 def group_starts(offsets: torch.Tensor) -> torch.Tensor:
     """QuACK's cu_seqlens_m ([E + 1] int32, from 0) from moecompile's offsets (the E cumulative group ends)."""
     return torch.nn.functional.pad(offsets.to(torch.int32), (1, 0))
 
 
 def first_projection(x: torch.Tensor, cu_seqlens: torch.Tensor, w_in: torch.Tensor, b_in, activation: str,
-                     gated: bool, gather_rows: torch.Tensor | None = None, interleaved: bool = False) -> torch.Tensor:
+                     gated: bool, gather_rows: torch.Tensor | None = None, interleaved: bool = False,
+                     config: dict | None = None) -> torch.Tensor:
     """act(x[r] W_in[e]^T + b_in[e]) for the rows r of each expert e's group (gated: act(gate) * up, W_in's gate rows
     first, or alternating gate / up rows when interleaved). With gather_rows (int32, one per output row) row r reads
     x[gather_rows[r]] instead of x[r]. Output rows past the last group are left unwritten."""
@@ -55,18 +69,24 @@ def first_projection(x: torch.Tensor, cu_seqlens: torch.Tensor, w_in: torch.Tens
         return out
     # QuACK sizes its varlen schedule from the pre-activation output unless it gathers: without a gather it is written
     preact = None if gather_rows is not None else x.new_empty(rows, w_in.shape[1])
-    _quack().gemm_act(x, w_in.transpose(1, 2), bias=b_in, activation=ACTIVATIONS[(activation, gated)],
-                      preact_out=preact, postact_out=out, cu_seqlens_m=cu_seqlens, A_idx=gather_rows,
-                      store_preact=preact is not None,
-                      concat_layout=(("B", "bias") if b_in is not None else ("B",)) if gated and not interleaved
-                      else None)
+    b = w_in.transpose(1, 2)
+    act = ACTIVATIONS[(activation, gated)]
+    if gated:
+        concat = None if interleaved else ("B", "bias") if b_in is not None else ("B",)
+        _quack().gemm_gated_tuned.fn(x, b, preact, out, None, b_in, act, cu_seqlens, gather_rows, False,
+                                     config=gemm_config(config), concat_layout=concat)
+    else:
+        _quack().gemm_act_tuned.fn(x, b, preact, out, None, b_in, act, cu_seqlens, gather_rows, False,
+                                   config=gemm_config(config))
     return out
 
 
-def second_projection(a: torch.Tensor, cu_seqlens: torch.Tensor, w_out: torch.Tensor, b_out) -> torch.Tensor:
+def second_projection(a: torch.Tensor, cu_seqlens: torch.Tensor, w_out: torch.Tensor, b_out,
+                      config: dict | None = None) -> torch.Tensor:
     """a[r] W_out[e]^T + b_out[e] over each expert's group of rows; rows past the last group left unwritten."""
     out = a.new_empty(a.shape[0], w_out.shape[1])
     if a.shape[0] == 0:
         return out
-    _quack().gemm(a, w_out.transpose(1, 2), out=out, bias=b_out, cu_seqlens_m=cu_seqlens)
+    _quack().gemm_tuned.fn(a, w_out.transpose(1, 2), out, bias=b_out, cu_seqlens_m=cu_seqlens,
+                           config=gemm_config(config))
     return out

@@ -34,6 +34,7 @@ DECODE_ROWS_PER_EXPERT = 64
 # small-batch implementation: the host cost of launching Triton kernels outweighs what they save on the device.
 EAGER_HF_ROWS_PER_EXPERT = 2
 EXPERT_GEMM_CONFIG = "expert_gemm.json"  # in moecompile.kernels' configs/
+QUACK_GEMM_CONFIG = "quack_gemm.json"
 QUACK_FALLBACK = "triton_persistent"  # where "quack" is chosen but not installed, not Hopper, or the shape unsupported
 
 
@@ -58,11 +59,14 @@ def regime(rows: int, num_experts: int) -> str:
     return "batch" if is_batch(rows, num_experts) else "decode"
 
 
+def _config_file(name: str) -> dict:
+    return json.loads((resources.files("moecompile.kernels") / "configs" / name).read_text())
+
+
 @functools.cache
 def expert_gemm_table() -> tuple[dict, dict]:
     """(default {regime: (first, second)}, tuned {(hidden, expert_size, experts, regime): (first, second)})."""
-    path = resources.files("moecompile.kernels") / "configs" / EXPERT_GEMM_CONFIG
-    data = json.loads(path.read_text())
+    data = _config_file(EXPERT_GEMM_CONFIG)
     default = {name: tuple(pair) for name, pair in data["default"].items()}
     tuned = {}
     for key, regimes in data["shapes"].items():
@@ -79,3 +83,18 @@ def expert_gemm_kernels(rows: int, hidden: int, expert_size: int, num_experts: i
     shape_regime = regime(rows, num_experts)
     first, second = tuned.get((hidden, expert_size, num_experts, shape_regime), default[shape_regime])
     return (first if FFN_IN == "auto" else FFN_IN), (second if FFN_OUT == "auto" else FFN_OUT)
+
+
+def quack_key(projection: str, k: int, n: int, gathered: bool = False) -> str:
+    """The quack_gemm.json key of one expert GEMM: projection "first" / "second", its K and N, gathered A rows."""
+    return f"{projection},k={k},n={n}" + (",gathered" if gathered else "")
+
+
+@functools.cache
+def _quack_table() -> dict:
+    return _config_file(QUACK_GEMM_CONFIG)["configs"]
+
+
+def quack_config(projection: str, k: int, n: int, gathered: bool = False) -> dict | None:
+    """The tuned QuACK tile configuration (GemmConfig's fields) of this GEMM, or None for QuACK's default."""
+    return _quack_table().get(quack_key(projection, k, n, gathered))

@@ -70,7 +70,8 @@ def _projection_kernels(x, w_in, w_out, activation: str, gated: bool) -> tuple[s
 
 def _second_projection(a, offsets, w_out, b_out, kernel: str):
     if kernel == "quack":
-        return quack_gemm.second_projection(a, quack_gemm.group_starts(offsets), w_out, b_out)
+        return quack_gemm.second_projection(a, quack_gemm.group_starts(offsets), w_out, b_out,
+                                            config=choices.quack_config("second", w_out.shape[2], w_out.shape[1]))
     if kernel.startswith("triton"):
         return triton_moe.grouped_ffn_in(a, offsets, w_out, b_out, None, False, variant=kernel)
     y = grouped_mm.grouped(a, w_out.transpose(-2, -1), offsets)
@@ -90,7 +91,8 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
         return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
     first, second = _projection_kernels(x, w_in, w_out, activation, gated)
     if first == "quack":
-        a = quack_gemm.first_projection(x, quack_gemm.group_starts(offsets), w_in, b_in, activation, gated)
+        a = quack_gemm.first_projection(x, quack_gemm.group_starts(offsets), w_in, b_in, activation, gated,
+                                        config=choices.quack_config("first", w_in.shape[2], w_in.shape[1]))
     elif first.startswith("triton"):
         a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, variant=first)
     else:

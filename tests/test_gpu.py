@@ -115,6 +115,14 @@ def test_quack_expert_gemms_match_float32_reference(activation, gated, bias, cas
                                     gather_rows=(gather_order // k).to(torch.int32))
     out = C.combine(quack_gemm.second_projection(a, cu, w_out, b_out), gather_order, weights)
     assert _rel(out, ref) <= 1e-2
+    if gated:  # gate / up rows interleaved, and a tile configuration other than QuACK's default
+        config = dict(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, pingpong=True, is_dynamic_persistent=False)
+        w_mixed = torch.stack(w_in.chunk(2, dim=1), dim=2).flatten(1, 2)
+        b_mixed = None if b_in is None else torch.stack(b_in.chunk(2, dim=1), dim=2).flatten(1, 2)
+        a = quack_gemm.first_projection(x, cu, w_mixed, b_mixed, activation, gated, interleaved=True,
+                                        gather_rows=(gather_order // k).to(torch.int32), config=config)
+        out = C.combine(quack_gemm.second_projection(a, cu, w_out, b_out, config=config), gather_order, weights)
+        assert _rel(out, ref) <= 1e-2
 
 
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
