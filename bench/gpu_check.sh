@@ -3,6 +3,8 @@
 #   bash bench/gpu_check.sh tests [PATHS]  # pytest -m gpu (all of tests/ by default), log to $OUT/gpu-tests.log
 #   bash bench/gpu_check.sh layer          # bench/moe_layer.py --profile [--vllm], table to $OUT/gpu-moe-layer.md
 #   bash bench/gpu_check.sh generate [ARGS] # bench/generate.py ARGS, table to $OUT/gpu-generate.md
+#   bash bench/gpu_check.sh tune-quack [ARGS]   # bench/tune_quack.py: QuACK tile configurations into kernels/configs/
+#   bash bench/gpu_check.sh fine-grained [ARGS] # bench/fine_grained.py ARGS, table to $OUT/fine-grained.md
 # On the device tool's H200 machine: its python3 has torch, triton and transformers; nothing is downloaded
 # (carry .whl/ with the wheels it lacks).
 set -uo pipefail
@@ -11,12 +13,19 @@ out=${OUT:-build/gpu-check}
 mkdir -p "$out"
 what=${1:-tests}
 shift || true
-if ls .whl/*.whl > /dev/null 2>&1; then  # wheels the machine lacks (nvidia-cutlass: the CUTLASS FP8 headers)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$out/install.log" 2>&1 \
-    && export PYTHONPATH=/tmp/site
+if [ -f .whlx/libs.tar.xz ] && [ ! -d /tmp/site/nvidia_cutlass_dsl ]; then  # QuACK's CuTe DSL runtime (one call's
+  mkdir -p /tmp/site && tar -C /tmp/site -xJf .whlx/libs.tar.xz              # size limit: carried repacked as tar.xz)
 fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >> "$out/install.log" 2>&1 \
-  || { tail -5 "$out/install.log"; exit 1; }
+export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-16} QUACK_CACHE_AUTOTUNING=1
+installed=/tmp/moecompile-installed  # several checks in one call install once
+if ls .whl/*.whl > /dev/null 2>&1; then  # wheels the machine lacks (nvidia-cutlass: the CUTLASS FP8 headers; QuACK)
+  [ -f $installed ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    > "$out/install.log" 2>&1
+  export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages  # (--target skips the .pth)
+fi
+[ -f $installed ] || python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >> "$out/install.log" \
+  2>&1 || { tail -5 "$out/install.log"; exit 1; }
+touch $installed
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 case "$what" in
@@ -25,5 +34,11 @@ case "$what" in
     peer=$([ -f .peers/vllm/fused_moe.py ] && echo --vllm)
     python3 bench/moe_layer.py --profile $peer --out "$out/gpu-moe-layer.md" 2>&1 | tee "$out/gpu-moe-layer.log" ;;
   generate) python3 bench/generate.py --out "$out/gpu-generate.md" "$@" 2>&1 | tee "$out/gpu-generate.log" ;;
-  *) echo "usage: bench/gpu_check.sh tests [PATHS]|layer|generate [ARGS]" >&2; exit 2 ;;
+  tune-quack) python3 bench/tune_quack.py --out "$out/quack-tuning.md" "$@" 2>&1 | tee "$out/quack-tuning.log"
+    cp kernels/configs/quack_gemm.json "$out/" ;;
+  fine-grained)
+    peer=$([ -f .peers/vllm/fused_moe.py ] && echo --vllm)
+    python3 bench/fine_grained.py $peer --out "$out/fine-grained.md" "$@" 2>&1 | tee "$out/fine-grained.log" ;;
+  *) echo "usage: bench/gpu_check.sh tests [PATHS]|layer|generate [ARGS]|tune-quack [ARGS]|fine-grained [ARGS]" >&2
+     exit 2 ;;
 esac
