@@ -55,6 +55,7 @@ import torch
 import transformers
 from compile import instantiate  # bench/compile.py, beside this script: the same random HF models
 
+import moecompile.backend
 from moecompile.backend import OPTIONS
 from moecompile.generation import Generator, Sampling, custom_generate
 
@@ -346,6 +347,12 @@ def generator_options(mode: str, inductor: bool) -> dict | None:
     return options or None
 
 
+def fp8_rewrites() -> int:
+    """Expert ops the insert_fp8 pass made FP8 in the graphs compiled since the records were cleared."""
+    return sum(len(report.get("rewritten", ())) for record in moecompile.backend.records()
+               for pass_name, report in record.reports if pass_name == "insert_fp8")
+
+
 def release(device: str) -> None:
     """Free what a mode compiled and cached (the FP8 copies live in the compiled graphs) before the next one."""
     gc.collect()
@@ -480,7 +487,11 @@ def main(argv=None) -> int:
               f"{bandwidth / 1e12:.2f} TB/s. Context {args.context} tokens, {args.new} new tokens, "
               f"{'sampled (top-k 50, top-p 0.9)' if sampling else 'greedy'}, "
               f"{str(dtype).replace('torch.', '')}, random weights, "
-              f"{'every layer' if args.full else 'a slice of layers'}; medians of {args.reps}.{fp8_note}", "",
+              f"{'every layer' if args.full else 'a slice of layers'}; medians of {args.reps}.{fp8_note} Floor: "
+              f"the weights and the key/value cache (mean length over the timed steps) one step reads, at the copy "
+              f"bandwidth. Memory planned: "
+              f"{'unchecked' if capacity is None else f'{capacity / 1e9:.0f} GB'} (weights, FP8 copies, cache and "
+              f"{HEADROOM / 1e9:.1f} GB of headroom; more is a row 'does not fit').", "",
               "| model (layers) | batch | mode | prefill ms | decode ms/step | tokens/s | floor weights ms | "
               "floor cache ms | floor ms | x floor | cos | agree | FP8 vs bf16: cos, speed-up |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -520,6 +531,7 @@ def main(argv=None) -> int:
                 floor, versus = weights_floor + cache_floor, ""
                 try:
                     if mode in GENERATOR_OPTIONS:
+                        moecompile.backend.clear_records()
                         prefill, decode, tokens, cosine, report, logits = moecompile_mode(
                             model, ids, args.new, device, args.reps, reference, not args.no_profile and batch == 1,
                             generator_options(mode, inductor), sampling)
@@ -529,6 +541,8 @@ def main(argv=None) -> int:
                             bf16 = logits, decode
                         elif mode == FP8_MODE and bf16 is not None:
                             versus = f"{cos(logits, bf16[0]):.5f}, {bf16[1] / decode:.2f}x"
+                            if not fp8_rewrites():
+                                versus += " (no expert op became FP8)"
                     elif mode == "hf-custom-generate":
                         prefill, decode, tokens = custom_generate_mode(model, ids, args.new, device, args.reps,
                                                                        sampling)
