@@ -29,7 +29,7 @@ copies and cache do not fit the card is a row "does not fit", estimated from the
   python bench/generate.py --out bench/results/gpu-generate.md                      # 4-8 layers of each model
   python bench/generate.py --full --fp8 --batches 1,16,64 --modes hf-inductor,moecompile  # every layer, FP8 vs bf16
   python bench/generate.py --context 4096 --batches 64 --modes moecompile --attention-probe   # long context
-  python bench/generate.py --models all --sample --batches 1,16,64 --new 16         # every family, sampled
+  python bench/generate.py --models all --sample --batches 1,16,64 --new 16 --modes moecompile,hf-moecompile  # sampled
   python bench/generate.py --tiny --models mixtral-8x7b --batches 1 --new 8         # a quick smoke run
 With --sample every mode samples (HF's generate from its global generator, moecompile's from its seeded one), so the
 agree column counts tokens that match by chance. With --tiny on the CPU the moecompile modes skip inductor (the
@@ -66,7 +66,7 @@ MODELS = {  # name: (config class, model class, layers, sizes) - per-layer sizes
     "mixtral-8x7b": ("MixtralConfig", "MixtralForCausalLM", 4, dict(
         hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)),
-    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", 4, dict(
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", 2, dict(
         hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
         num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1, routed_scaling_factor=2.5,
         first_k_dense_replace=0, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
@@ -414,6 +414,7 @@ def attention_probe(name: str, config, batch: int, context: int, new: int, devic
                 warnings.simplefilter("always")
                 try:
                     with sdpa_kernel([getattr(SDPBackend, backend)]) if backend else contextlib.nullcontext():
+                        attend()  # a warm-up call outside the timing (cuDNN builds its plan on the first)
                         seconds = timed(lambda: [attend() for _ in range(iters)], device, 3) / iters
                 except RuntimeError as exc:
                     reasons = "; ".join(why for w in caught if (why := sdpa_reason(str(w.message))))
