@@ -26,7 +26,7 @@ hf-inductor / hf-moecompile the second step: HF runs the prompt eagerly), and th
 eager's before the first difference (bf16 near-ties may diverge later). A model, batch or mode whose weights, FP8
 copies and cache do not fit the card is a row "does not fit", estimated from the config before anything is built.
 
-  python bench/generate.py --out bench/results/gpu-generate.md                      # 4-8 layers of each model
+  python bench/generate.py --out bench/results/gpu-generate.md                      # a slice of each model
   python bench/generate.py --full --fp8 --batches 1,16,64 --modes hf-inductor,moecompile  # every layer, FP8 vs bf16
   python bench/generate.py --context 4096 --batches 64 --modes moecompile --attention-probe   # long context
   python bench/generate.py --models all --sample --batches 1,16,64 --new 16 --modes moecompile,hf-moecompile  # sampled
