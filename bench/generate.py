@@ -1,5 +1,6 @@
-"""Whole-model greedy generation of MoE models at real per-layer sizes: prefill ms, decode ms per step, tokens/s, the
-weight-read floor, and a profile of one decode step. Random weights, bf16, one H200.
+"""Whole-model generation of MoE models at real per-layer sizes (or every layer, --full): prefill ms, decode ms per
+step, tokens/s, the floor of the bytes one step reads (weights and key/value cache), and a profile of one decode step.
+Random weights, bf16 (FP8 weights in the moecompile modes with --fp8).
 
 Modes, all in one run:
   hf-eager           HF generate, default (dynamic) cache, HF's default experts implementation
@@ -8,37 +9,54 @@ Modes, all in one run:
   hf-moecompile      the same with backend="moecompile"
   moecompile         moecompile.generate: compiled prefill, the whole decode step (layers, logits, token choice)
                      one CUDA graph, replayed with no host synchronisation per token
+  moecompile-fp8     the same with FP8 weights (backend options fp8, and fp8_linears where the backend has it);
+                     --fp8 adds it after moecompile, whose first-step logits and step time it is compared with
   hf-custom-generate HF generate with custom_generate=moecompile.generation.custom_generate: HF's preparation, then
                      moecompile.generate's loop (not in the default list; cos is not measured)
   moecompile-unfused the same without the fuse_projections pass (not in the default list: what that pass gives)
   moecompile-sorted  the same without the direct_experts pass: the sorted experts at decode (not in the default list)
   moecompile-repeat-kv the same without the gqa_attention pass: HF's repeated key/value heads (not in the default list)
   moecompile-gemm    the same without decode_matvec: cuBLAS GEMMs for the one-token linears (not in the default list)
-Floor: the bytes one decode step must read (every weight except the embedding table, of which one row per sequence;
-expert tensors weighted by the expected fraction of experts the batch hits under uniform routing,
-1 - (1 - k/E)^batch), at the copy bandwidth measured in the same run. Correctness: cosine of the first compiled step's
-logits with HF eager's (for hf-inductor / hf-moecompile the second step: HF runs the prompt eagerly), and the greedy
-tokens that agree with HF eager's before the first difference (bf16 near-ties may diverge later).
+Floor: the bytes one decode step must read, at the copy bandwidth measured in the same run. Weights: every parameter
+except the embedding table, of which one row per sequence; expert tensors weighted by the expected fraction of experts
+the batch hits under uniform routing, 1 - (1 - k/E)^batch; FP8 tensors at one byte per element plus a float32 scale
+per 128 x 128 block. Cache: the keys and values of every layer over the mean cache length of the timed steps (a
+sliding-window layer only its window). Correctness: cosine of the first compiled step's logits with HF eager's (for
+hf-inductor / hf-moecompile the second step: HF runs the prompt eagerly), and the greedy tokens that agree with HF
+eager's before the first difference (bf16 near-ties may diverge later). A model, batch or mode whose weights, FP8
+copies and cache do not fit the card is a row "does not fit", estimated from the config before anything is built.
 
-  python bench/generate.py --out bench/results/gpu-generate.md                      # the H200 run
+  python bench/generate.py --out bench/results/gpu-generate.md                      # a slice of each model
+  python bench/generate.py --full --fp8 --batches 1,16,64 --modes hf-inductor,moecompile  # every layer, FP8 vs bf16
+  python bench/generate.py --context 4096 --batches 64 --modes moecompile --attention-probe   # long context
+  python bench/generate.py --models all --sample --batches 1,16,64 --new 16 --modes moecompile,hf-moecompile  # sampled
   python bench/generate.py --tiny --models mixtral-8x7b --batches 1 --new 8         # a quick smoke run
-  python bench/generate.py --sample --modes hf-inductor,moecompile                  # sampled: top-k 50, top-p 0.9
 With --sample every mode samples (HF's generate from its global generator, moecompile's from its seeded one), so the
-agree column counts tokens that match by chance.
+agree column counts tokens that match by chance. With --tiny on the CPU the moecompile modes skip inductor (the
+backend's passes still run). --attention-probe times one layer's decode attention over the cache (batch: the largest
+of --batches, the --context) as the compiled step calls SDPA and with each SDPA backend forced, in a table of its own.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import math
 import platform
+import re
+import shlex
 import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 import transformers
 from compile import instantiate  # bench/compile.py, beside this script: the same random HF models
 
+import moecompile.backend
+from moecompile.backend import OPTIONS
 from moecompile.generation import Generator, Sampling, custom_generate
 
 MODELS = {  # name: (config class, model class, layers, sizes) - per-layer sizes of the published models
@@ -48,37 +66,71 @@ MODELS = {  # name: (config class, model class, layers, sizes) - per-layer sizes
     "mixtral-8x7b": ("MixtralConfig", "MixtralForCausalLM", 4, dict(
         hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)),
-    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", 4, dict(
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", 2, dict(
         hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
         num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1, routed_scaling_factor=2.5,
         first_k_dense_replace=0, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
         v_head_dim=128, num_attention_heads=128, num_key_value_heads=128, vocab_size=129280)),
+    "qwen1.5-moe-a2.7b": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", 8, dict(
+        hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+        num_experts=60, num_experts_per_tok=4, norm_topk_prob=False, num_attention_heads=16, num_key_value_heads=16,
+        vocab_size=151936)),
+    "olmoe-1b-7b": ("OlmoeConfig", "OlmoeForCausalLM", 8, dict(
+        hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+        num_attention_heads=16, num_key_value_heads=16, vocab_size=50304)),
+    "gpt-oss-20b": ("GptOssConfig", "GptOssForCausalLM", 4, dict(
+        hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128, vocab_size=201088)),
 }
-TINY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, vocab_size=1024, q_lora_rank=64, kv_lora_rank=32,
-            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
+FULL = {  # --full: the published depth, and what differs from the slices' layers there
+    "qwen3-30b-a3b": (48, {}), "mixtral-8x7b": (32, {}), "deepseek-v3": (61, {"first_k_dense_replace": 3}),
+    "qwen1.5-moe-a2.7b": (24, {}), "olmoe-1b-7b": (16, {}), "gpt-oss-20b": (24, {}),
+}
+TINY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, shared_expert_intermediate_size=256,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024, q_lora_rank=64,
+            kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
 MODES = ("hf-eager", "hf-experts-mc", "hf-inductor", "hf-moecompile", "moecompile")
 OTHER_MODES = ("hf-custom-generate",)
-GENERATOR_OPTIONS = {"moecompile": None, "moecompile-unfused": {"fuse_projections": False},
+FP8_MODE = "moecompile-fp8"
+GENERATOR_OPTIONS = {"moecompile": {}, FP8_MODE: {"fp8": True}, "moecompile-unfused": {"fuse_projections": False},
                      "moecompile-sorted": {"direct_experts": False}, "moecompile-repeat-kv": {"gqa_attention": False},
                      "moecompile-gemm": {"decode_matvec": False}}
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+ROUTER_SUFFIXES = (".gate.weight", ".router.weight", "shared_expert_gate.weight")  # linears FP8 leaves in bf16
+FP8_BLOCK = 128
+# the FP8 copies the backend keeps beside the bf16 parameters: the prefill's graph and the decode step's each quantise
+FP8_COPIES = 2
+FP8_LINEARS = "fp8_linears" in OPTIONS  # the backend's FP8 one-row linears, where it has them
+PROBE_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+HEADROOM = 4 * 2 ** 30  # bytes beyond weights and cache a run needs (activations, logits, workspaces)
 
 
-def build(name: str, tiny: bool, device: str, dtype: torch.dtype, layers: int | None = None):
-    config_cls, model_cls, default_layers, sizes = MODELS[name]
-    layers = layers or default_layers
-    config_type = getattr(transformers, config_cls)
+def make_config(name: str, tiny: bool, layers: int | None = None, full: bool = False, max_positions: int = 4096):
+    """The transformers config of a MODELS entry: its slice of layers, `layers`, or (full) every layer."""
+    config_cls, _, default_layers, sizes = MODELS[name]
+    if full:
+        default_layers, extra = FULL[name]
+        sizes = {**sizes, **extra}
     if tiny:
         sizes = {**sizes, **{k: v for k, v in TINY.items() if k in sizes}}
         if "kv_lora_rank" in sizes:  # MLA: a key and value head per query head
             sizes["num_key_value_heads"] = sizes["num_attention_heads"]
-    config = config_type(num_hidden_layers=layers, max_position_embeddings=4096, **sizes)
-    config.eos_token_id = None
-    model = instantiate(model_cls, config, device, dtype)
+    return getattr(transformers, config_cls)(num_hidden_layers=layers or default_layers,
+                                             max_position_embeddings=max_positions, eos_token_id=None, **sizes)
+
+
+def build(name: str, config, device: str, dtype: torch.dtype):
+    model = instantiate(MODELS[name][1], config, device, dtype)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def parameter_shapes(name: str, config) -> dict[str, torch.Size]:
+    """Every parameter's shape, from a model built on the meta device (no memory): sizes before building."""
+    with torch.device("meta"):
+        model = getattr(transformers, MODELS[name][1])(config)
+    return {pname: p.shape for pname, p in model.named_parameters()}
 
 
 def copy_bandwidth(device: str) -> float:
@@ -98,20 +150,74 @@ def copy_bandwidth(device: str) -> float:
     return 2 * src.numel() / statistics.median(times)
 
 
-def floor_bytes(model, batch: int) -> float:
-    config = model.config
-    experts = next(getattr(config, k) for k in EXPERT_COUNT_KEYS if getattr(config, k, None))
+def expert_count(config) -> int:
+    return next(getattr(config, k) for k in EXPERT_COUNT_KEYS if getattr(config, k, None))
+
+
+def is_expert(pname: str, shape, experts: int) -> bool:
+    return ".experts." in pname and len(shape) >= 2 and shape[0] == experts
+
+
+def fp8_parameters(shapes: dict, config, linears: bool) -> frozenset[str]:
+    """The parameters an FP8 run reads in FP8: the expert weight tensors, and with `linears` every other linear
+    weight of the layers except the routers (embedding, norms, biases and lm_head stay bf16)."""
+    experts = expert_count(config)
+    chosen = set()
+    for pname, shape in shapes.items():
+        if is_expert(pname, shape, experts) and len(shape) == 3:
+            chosen.add(pname)
+        elif linears and len(shape) == 2 and ".layers." in pname and pname.endswith(".weight") \
+                and not pname.endswith(ROUTER_SUFFIXES):
+            chosen.add(pname)
+    return frozenset(chosen)
+
+
+def fp8_bytes(shape) -> int:
+    """One byte per element and a float32 scale per 128 x 128 block of the last two dimensions."""
+    *lead, rows, cols = shape
+    return math.prod(shape) + 4 * math.prod(lead) * -(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK)
+
+
+def weight_bytes(shapes: dict, config, batch: int, itemsize: int, fp8: frozenset[str] = frozenset()) -> float:
+    """The weight bytes one decode step of `batch` sequences reads (see the module docstring)."""
+    experts = expert_count(config)
     hit = 1 - (1 - config.num_experts_per_tok / experts) ** batch
     total = 0.0
-    for pname, p in model.named_parameters():
-        size = p.numel() * p.element_size()
+    for pname, shape in shapes.items():
+        size = fp8_bytes(shape) if pname in fp8 else math.prod(shape) * itemsize
         if "embed_tokens" in pname:
-            total += min(batch, p.shape[0]) * p.shape[1] * p.element_size()
-        elif ".experts." in pname and p.dim() >= 2 and p.shape[0] == experts:
+            total += min(batch, shape[0]) * shape[1] * itemsize
+        elif is_expert(pname, shape, experts):
             total += size * hit
         else:
             total += size
     return total
+
+
+def resident_bytes(shapes: dict, itemsize: int, fp8: frozenset[str] = frozenset()) -> int:
+    """Device memory of the parameters, with the backend's FP8 copies of those in `fp8`."""
+    return sum(math.prod(s) * itemsize + (FP8_COPIES * fp8_bytes(s) if p in fp8 else 0) for p, s in shapes.items())
+
+
+def kv_widths(config) -> tuple[int, int, int, int]:
+    """(query heads, key/value heads, key width, value width) of the cache a layer keeps; MLA as HF caches it today:
+    the whole keys and values of every head."""
+    heads = config.num_attention_heads
+    if getattr(config, "kv_lora_rank", None):
+        return heads, heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, config.num_key_value_heads, head_dim, head_dim
+
+
+def cache_bytes(config, batch: int, length: float, itemsize: int, windows: bool = True) -> float:
+    """Key and value bytes of every layer over `length` positions; with `windows`, a sliding-window layer's only
+    over its window (what it must read; the static cache moecompile allocates keeps every layer full length)."""
+    _, kv, key, val = kv_widths(config)
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    positions = sum(min(length, window) if windows and window and t == "sliding_attention" else length
+                    for t in types)
+    return positions * kv * (key + val) * batch * itemsize
 
 
 def sync(device: str):
@@ -177,16 +283,18 @@ def hf_mode(model, mode: str, ids, new: int, device: str, reps: int, reference, 
 
 def moecompile_mode(model, ids, new: int, device: str, reps: int, reference, profile: bool, options=None,
                     sampling: Sampling | None = None):
-    gen = Generator(model, ids.shape[0], ids.shape[1] + new, options=options)
+    """(prefill s, decode s per step, tokens, cosine, profile or None, the first step's logits)."""
+    gen = Generator(model, ids.shape[0], ids.shape[1] + new, options=options)  # the cache: prompt + new tokens
     tokens = gen(ids, new, sampling=sampling)  # compile prefill and step, capture the step
-    cosine = float("nan") if reference is None else cos(gen.prefill_logits, reference.logits[0])
+    logits = gen.prefill_logits.clone()
+    cosine = float("nan") if reference is None else cos(logits, reference.logits[0])
     prefill = timed(lambda: gen.prefill(ids, sampling=sampling), device, reps)
     decode = []
     for _ in range(reps):
         gen.prefill(ids, sampling=sampling)
         decode.append(timed(lambda: gen.decode(new - 1), device, 1) / (new - 1))
     report = profile_step(gen, ids, sampling) if profile and device == "cuda" else None
-    return prefill, statistics.median(decode), tokens, cosine, report
+    return prefill, statistics.median(decode), tokens, cosine, report, logits
 
 
 def custom_generate_mode(model, ids, new: int, device: str, reps: int, sampling: Sampling | None = None):
@@ -230,16 +338,112 @@ def profile_step(gen: Generator, ids, sampling: Sampling | None = None, steps: i
     return "\n".join(lines)
 
 
+def generator_options(mode: str, inductor: bool) -> dict | None:
+    options = dict(GENERATOR_OPTIONS[mode])
+    if options.get("fp8") and FP8_LINEARS:
+        options["fp8_linears"] = True
+    if not inductor:
+        options["inductor"] = False
+    return options or None
+
+
+def fp8_rewrites() -> int:
+    """Expert ops the insert_fp8 pass made FP8 in the graphs compiled since the records were cleared."""
+    return sum(len(report.get("rewritten", ())) for record in moecompile.backend.records()
+               for pass_name, report in record.reports if pass_name == "insert_fp8")
+
+
+def release(device: str) -> None:
+    """Free what a mode compiled and cached (the FP8 copies live in the compiled graphs) before the next one."""
+    gc.collect()
+    torch._dynamo.reset()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def sdpa_reason(message: str) -> str:
+    """SDPA's warning without its source location, empty for the 'not used because:' lead-ins."""
+    message = re.sub(r"\s*\(Triggered internally at [^)]*\)\.?", "", message).strip()
+    return "" if message.endswith("because:") else message.splitlines()[0]
+
+
+def attention_probe(name: str, config, batch: int, context: int, new: int, device: str, dtype: torch.dtype,
+                    bandwidth: float, iters: int) -> list[str]:
+    """Table rows: one layer's decode attention (one query token per sequence) over a static cache of context + new
+    positions of which context + 1 are filled, as the compiled step calls SDPA (HF repeats the key/value heads under
+    a mask; the gqa_attention pass passes them unrepeated with enable_gqa where SDPA's own checks let a fused kernel
+    take it) and with each SDPA backend forced; against the floor of reading the filled cache once."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from moecompile.passes.gqa_attention import fused_kernel_takes_gqa
+
+    heads, kv, key_dim, value_dim = kv_widths(config)
+    length, filled, n = context + new, context + 1, heads // kv
+    rng = torch.Generator(device).manual_seed(0)
+    q, k, v = (torch.randn(batch, h, s, d, generator=rng, device=device, dtype=dtype)
+               for h, s, d in ((heads, 1, key_dim), (kv, length, key_dim), (kv, length, value_dim)))
+    mask = (torch.arange(length, device=device) < filled).expand(batch, 1, 1, length).contiguous()
+
+    def repeat(x):  # HF's repeat_kv, which the graph runs at every step
+        return x[:, :, None].expand(batch, kv, n, *x.shape[2:]).reshape(batch, heads, *x.shape[2:])
+
+    filled_only = (lambda: (q, k[:, :, :filled], v[:, :, :filled], None, n > 1))
+    if n > 1:
+        variants = {"repeat_kv + mask": lambda: (q, repeat(k), repeat(v), mask, False),
+                    "enable_gqa + mask": lambda: (q, k, v, mask, True),
+                    "enable_gqa, filled cache, no mask": filled_only}
+        compiled = "enable_gqa + mask" if fused_kernel_takes_gqa(q, k, v, mask, 0.0, False) else "repeat_kv + mask"
+    else:
+        variants = {"mask": lambda: (q, k, v, mask, False), "filled cache, no mask": filled_only}
+        compiled = "mask"
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    cache_read = batch * kv * filled * (key_dim + value_dim) * itemsize
+    rows = []
+    for label, inputs in variants.items():
+        def attend():
+            query, key, value, attn_mask, gqa = inputs()
+            return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                                                    enable_gqa=gqa)
+
+        query, key, value, attn_mask, gqa = inputs()
+        chosen = SDPBackend(torch._fused_sdp_choice(query, key, value, attn_mask, 0.0, False, enable_gqa=gqa)).name
+        cell = f"{label}{' (the compiled step)' if label == compiled else ''}"
+        for backend in (None, *PROBE_BACKENDS):
+            which = f"default: {chosen}" if backend is None else f"forced {backend}"
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    with sdpa_kernel([getattr(SDPBackend, backend)]) if backend else contextlib.nullcontext():
+                        attend()  # a warm-up call outside the timing (cuDNN builds its plan on the first)
+                        seconds = timed(lambda: [attend() for _ in range(iters)], device, 3) / iters
+                except RuntimeError as exc:
+                    reasons = "; ".join(why for w in caught if (why := sdpa_reason(str(w.message))))
+                    reasons = reasons or str(exc).splitlines()[0]
+                    rows.append(f"| {name} | {batch} x {filled} | {cell} | {which} | not available: "
+                                f"{reasons[:240]} |")
+                    continue
+            rows.append(f"| {name} | {batch} x {filled} | {cell} | {which} | {seconds * 1e3:.3f} | "
+                        f"{seconds * bandwidth / cache_read:.2f} | {cache_read / seconds / 1e9:.0f} |")
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="qwen3-30b-a3b,mixtral-8x7b,deepseek-v3")
+    parser.add_argument("--models", default="qwen3-30b-a3b,mixtral-8x7b,deepseek-v3",
+                        help=f"comma-separated, or all: {', '.join(MODELS)}")
     parser.add_argument("--batches", default="1,8,16,64")
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated; empty: the probe only")
+    parser.add_argument("--context", "--prompt", type=int, default=128, help="prompt tokens per sequence")
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="small widths (a smoke run)")
+    parser.add_argument("--full", action="store_true", help="every layer of the published models")
     parser.add_argument("--layers", type=int, help="layers of every model (default: each model's in MODELS)")
+    parser.add_argument("--fp8", action="store_true",
+                        help=f"add {FP8_MODE} after moecompile (FP8 weights; the other modes stay bf16)")
+    parser.add_argument("--attention-probe", action="store_true",
+                        help="time one layer's decode attention over the cache with each SDPA backend")
+    parser.add_argument("--memory-gb", type=float, help="device memory to plan for (default: the device's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--sample", action="store_true",
@@ -249,41 +453,97 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    modes = args.modes.split(",")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    names = list(MODELS) if args.models == "all" else args.models.split(",")
+    modes = [m for m in args.modes.split(",") if m]
+    if args.fp8:
+        modes += [m for m in ("moecompile", FP8_MODE) if m not in modes]
+        modes.remove(FP8_MODE)
+        modes.insert(modes.index("moecompile") + 1, FP8_MODE)
+    batches = [int(b) for b in args.batches.split(",")]
     sampling = Sampling(top_k=50, top_p=0.9, seed=0) if args.sample else None
     unknown = set(modes) - set(MODES) - set(OTHER_MODES) - set(GENERATOR_OPTIONS)
-    if unknown:
-        parser.error(f"unknown modes {sorted(unknown)}")
+    if unknown or set(names) - set(MODELS):
+        parser.error(f"unknown modes or models {sorted(unknown | (set(names) - set(MODELS)))}")
+    inductor = not (args.tiny and device == "cpu")  # the backend's passes without inductor's slow CPU compiles
     bandwidth = copy_bandwidth(device)
+    capacity = args.memory_gb * 1e9 if args.memory_gb else (
+        torch.cuda.mem_get_info()[1] if device == "cuda" else None)
+    if device == "cuda":
+        torch.cuda.empty_cache()
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip()
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    fp8_note = (f" {FP8_MODE}: FP8 expert weights{' and linears' if FP8_LINEARS else ''} (backend options "
+                f"{generator_options(FP8_MODE, True)}); every other mode bf16." if FP8_MODE in modes else "")
     header = [f"# Whole-model generation ({'tiny widths, ' if args.tiny else ''}{device})", "",
-              f"Command: `python bench/generate.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
-              f"(commit {commit or '?'})", "",
-              f"Machine: {torch.cuda.get_device_name() if device == 'cuda' else platform.processor()}; torch "
-              f"{torch.__version__}, transformers {transformers.__version__}; copy bandwidth "
-              f"{bandwidth / 1e12:.2f} TB/s. Prompt {args.prompt} tokens, {args.new} new tokens, "
+              f"Command: `{shlex.join(['python', 'bench/generate.py', *(argv if argv is not None else sys.argv[1:])])}`"
+              f" (commit {commit or '?'})", "",
+              f"Machine: {torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or 'cpu'}; torch "
+              f"{torch.__version__}, triton {triton_version}, transformers {transformers.__version__}; copy bandwidth "
+              f"{bandwidth / 1e12:.2f} TB/s. Context {args.context} tokens, {args.new} new tokens, "
               f"{'sampled (top-k 50, top-p 0.9)' if sampling else 'greedy'}, "
-              f"{str(dtype).replace('torch.', '')}, random weights; medians of {args.reps}.", "",
-              "| model | batch | mode | prefill ms | decode ms/step | tokens/s | floor ms | x floor | cos | agree |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              f"{str(dtype).replace('torch.', '')}, random weights, "
+              f"{'every layer' if args.full else 'a slice of layers'}; medians of {args.reps}.{fp8_note} Floor: "
+              f"the weights and the key/value cache (mean length over the timed steps) one step reads, at the copy "
+              f"bandwidth. Memory planned: "
+              f"{'unchecked' if capacity is None else f'{capacity / 1e9:.0f} GB'} (weights, FP8 copies, cache and "
+              f"{HEADROOM / 1e9:.1f} GB of headroom; more is a row 'does not fit').", "",
+              "| model (layers) | batch | mode | prefill ms | decode ms/step | tokens/s | floor weights ms | "
+              "floor cache ms | floor ms | x floor | cos | agree | FP8 vs bf16: cos, speed-up |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(header), flush=True)
-    rows, profiles = [], []
-    for name in args.models.split(","):
-        model = build(name, args.tiny, device, dtype, args.layers)
-        for batch in [int(b) for b in args.batches.split(",")]:
-            ids = torch.randint(0, model.config.vocab_size, (batch, args.prompt),
+    rows, profiles, probe = [], [], []
+    max_positions = max(4096, args.context + args.new)
+    for name in names:
+        config = make_config(name, args.tiny, args.layers, args.full, max_positions)
+        label = f"{name} ({config.num_hidden_layers})"
+        if args.attention_probe:
+            probe += attention_probe(name, config, max(batches), args.context, args.new, device, dtype, bandwidth,
+                                     iters=20 if device == "cuda" else 2)
+            release(device)
+        if not modes:
+            continue
+        shapes = parameter_shapes(name, config)
+        fp8 = fp8_parameters(shapes, config, FP8_LINEARS)
+        needed = {(mode, batch): resident_bytes(shapes, itemsize, fp8 if mode == FP8_MODE else frozenset())
+                  + cache_bytes(config, batch, args.context + args.new, itemsize, windows=False) + HEADROOM
+                  for mode in modes for batch in batches}
+        fits = {key: capacity is None or size <= capacity for key, size in needed.items()}
+        model = build(name, config, device, dtype) if any(fits.values()) else None
+        for batch in batches:
+            ids = torch.randint(0, config.vocab_size, (batch, args.context),
                                 generator=torch.Generator().manual_seed(batch)).to(device)
-            floor = floor_bytes(model, batch) / bandwidth
-            reference = None
+            cache_floor = cache_bytes(config, batch, args.context + args.new / 2, itemsize) / bandwidth
+            reference, bf16 = None, None
             for mode in modes:
+                if not fits[mode, batch]:
+                    row = (f"| {label} | {batch} | {mode} | does not fit: {needed[mode, batch] / 1e9:.0f} GB "
+                           f"(card {capacity / 1e9:.0f} GB) |")
+                    print(row, flush=True)
+                    rows.append(row)
+                    continue
+                weights_floor = weight_bytes(shapes, config, batch, itemsize,
+                                             fp8 if mode == FP8_MODE else frozenset()) / bandwidth
+                floor, versus = weights_floor + cache_floor, ""
                 try:
                     if mode in GENERATOR_OPTIONS:
-                        prefill, decode, tokens, cosine, report = moecompile_mode(
+                        moecompile.backend.clear_records()
+                        prefill, decode, tokens, cosine, report, logits = moecompile_mode(
                             model, ids, args.new, device, args.reps, reference, not args.no_profile and batch == 1,
-                            GENERATOR_OPTIONS[mode], sampling)
+                            generator_options(mode, inductor), sampling)
                         if report:
-                            profiles.append(f"{name}, batch {batch}, {mode}:\n{report}")
+                            profiles.append(f"{label}, batch {batch}, {mode}:\n{report}")
+                        if mode == "moecompile":
+                            bf16 = logits, decode
+                        elif mode == FP8_MODE and bf16 is not None:
+                            versus = f"{cos(logits, bf16[0]):.5f}, {bf16[1] / decode:.2f}x"
+                            if not fp8_rewrites():
+                                versus += " (no expert op became FP8)"
                     elif mode == "hf-custom-generate":
                         prefill, decode, tokens = custom_generate_mode(model, ids, args.new, device, args.reps,
                                                                        sampling)
@@ -293,20 +553,24 @@ def main(argv=None) -> int:
                                                                        reference, sampling)
                         if mode == "hf-eager":
                             reference, cosine = out, 1.0
-                    matched = agree(tokens[:, args.prompt:], reference.sequences[:, args.prompt:]) \
+                    matched = agree(tokens[:, args.context:], reference.sequences[:, args.context:]) \
                         if reference is not None else -1
-                    row = (f"| {name} | {batch} | {mode} | {prefill * 1e3:.2f} | {decode * 1e3:.3f} | "
-                           f"{batch / decode:.0f} | {floor * 1e3:.3f} | {decode / floor:.2f} | {cosine:.5f} | "
-                           f"{matched}/{args.new} |")
+                    row = (f"| {label} | {batch} | {mode} | {prefill * 1e3:.2f} | {decode * 1e3:.3f} | "
+                           f"{batch / decode:.0f} | {weights_floor * 1e3:.3f} | {cache_floor * 1e3:.3f} | "
+                           f"{floor * 1e3:.3f} | {decode / floor:.2f} | {cosine:.5f} | {matched}/{args.new} | "
+                           f"{versus} |")
                 except Exception as exc:  # a mode that fails is a row of the table, not the end of the run
-                    row = f"| {name} | {batch} | {mode} | **{type(exc).__name__}**: {str(exc).splitlines()[0][:150]} |"
+                    row = f"| {label} | {batch} | {mode} | **{type(exc).__name__}**: {str(exc).splitlines()[0][:150]} |"
+                release(device)
                 print(row, flush=True)
                 rows.append(row)
         del model
-        torch._dynamo.reset()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
     text = "\n".join(header + rows) + "\n"
+    if probe:
+        text += ("\n## Decode attention over the cache, one layer (--attention-probe)\n\n"
+                 "| model | batch x positions read | inputs | SDPA backend | ms | x cache floor | GB/s |\n"
+                 "|---|---|---|---|---|---|---|\n" + "\n".join(probe) + "\n")
     if profiles:
         text += "\n## One decode step, profiled (compiled step run uncaptured)\n\n```\n" + "\n\n".join(profiles) + \
             "\n```\n"

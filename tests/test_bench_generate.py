@@ -1,0 +1,84 @@
+"""bench/generate.py (the GPU decode benchmark) on CPU: its floor and fit arithmetic against hand counts from the
+published configs, and one tiny run of the FP8 comparison and the attention probe."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT / "bench"))  # generate.py imports compile.py beside it
+    try:
+        spec = importlib.util.spec_from_file_location("bench_generate", ROOT / "bench" / "generate.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return module
+
+
+def rows_of(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")]
+
+
+def test_full_sizes_and_cache_floor(bench):
+    config = bench.make_config("qwen3-30b-a3b", tiny=False, full=True)
+    shapes = bench.parameter_shapes("qwen3-30b-a3b", config)
+    assert config.num_hidden_layers == 48
+    assert 60e9 < bench.resident_bytes(shapes, 2) < 62e9  # the issue's 61 GB in bf16
+    # keys and values: layers x 2 x kv heads x head_dim x positions x batch x bytes
+    assert bench.cache_bytes(config, 64, 4096, 2) == 48 * 2 * 4 * 128 * 4096 * 64 * 2
+    deepseek = bench.make_config("deepseek-v3", tiny=False, full=True)
+    assert (deepseek.num_hidden_layers, deepseek.first_k_dense_replace) == (61, 3)
+    # MLA as HF caches it: per head keys of qk_nope + qk_rope, values of v_head_dim
+    assert bench.cache_bytes(deepseek, 2, 100, 2) == 61 * 128 * (128 + 64 + 128) * 100 * 2 * 2
+    oss = bench.make_config("gpt-oss-20b", tiny=False, full=True)  # half its layers see a 128-token window
+    assert bench.cache_bytes(oss, 1, 4096, 2) == 12 * (4096 + 128) * 2 * 8 * 64 * 2
+    assert bench.cache_bytes(oss, 1, 4096, 2, windows=False) == 24 * 4096 * 2 * 8 * 64 * 2
+
+
+def test_fp8_floor_counts_fp8_bytes_of_the_quantised_tensors(bench):
+    config = bench.make_config("qwen3-30b-a3b", tiny=True, layers=1)
+    shapes = bench.parameter_shapes("qwen3-30b-a3b", config)
+    experts = bench.fp8_parameters(shapes, config, linears=False)
+    linears = bench.fp8_parameters(shapes, config, linears=True)
+    assert experts == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+    assert "model.layers.0.self_attn.q_proj.weight" in linears and "model.layers.0.mlp.gate.weight" not in linears
+    assert "lm_head.weight" not in linears
+    assert bench.fp8_bytes((2, 256, 130)) == 2 * 256 * 130 + 4 * 2 * 2 * 2  # float32 scale per 128 x 128 block
+    hit = 1 - (1 - 8 / 128) ** 4  # batch 4: the expected fraction of experts read
+    delta = sum((2 * s.numel() - bench.fp8_bytes(s)) * hit for name, s in shapes.items() if name in experts)
+    full = bench.weight_bytes(shapes, config, 4, 2)
+    assert bench.weight_bytes(shapes, config, 4, 2, experts) == pytest.approx(full - delta)
+    assert bench.resident_bytes(shapes, 2, experts) == bench.resident_bytes(shapes, 2) + bench.FP8_COPIES * sum(
+        bench.fp8_bytes(shapes[name]) for name in experts)
+
+
+def test_model_that_does_not_fit_is_a_row(bench, tmp_path):
+    out = tmp_path / "table.md"
+    assert bench.main(["--tiny", "--full", "--models", "mixtral-8x7b", "--batches", "1,64", "--modes", "moecompile",
+                       "--memory-gb", "0.01", "--out", str(out)]) == 0
+    rows = rows_of(out.read_text())[1:]
+    assert [r[:2] for r in rows] == [["mixtral-8x7b (32)", "1"], ["mixtral-8x7b (32)", "64"]]
+    assert all(r[3].startswith("does not fit: ") for r in rows)
+
+
+def test_fp8_against_bf16_and_attention_probe_tiny(bench, tmp_path):
+    out = tmp_path / "table.md"
+    assert bench.main(["--tiny", "--models", "qwen3-30b-a3b", "--layers", "1", "--batches", "2", "--context", "8",
+                       "--new", "3", "--reps", "1", "--modes", "moecompile", "--fp8", "--attention-probe",
+                       "--no-profile", "--commit", "abc1234", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "triton " in text and "(commit abc1234)" in text and "--context 8" in text
+    rows = {r[2]: r for r in rows_of(text) if r[0] == "qwen3-30b-a3b (1)"}
+    assert set(rows) == {"moecompile", "moecompile-fp8"}
+    cosine, speed = rows["moecompile-fp8"][12].split(", ")
+    assert float(cosine) > 0.995 and float(speed.rstrip("x")) > 0
+    assert rows["moecompile"][12] == ""
+    probe = [r for r in rows_of(text) if r[0] == "qwen3-30b-a3b" and len(r) == 7]
+    assert sum("(the compiled step)" in r[2] and r[3].startswith("default: ") for r in probe) == 1
+    assert any(r[3] == "forced MATH" and float(r[4]) > 0 for r in probe)
