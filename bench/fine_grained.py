@@ -43,7 +43,7 @@ SHAPES = {  # name: (d, f, E, k, tokens), in the order a run cut short should ke
     "gpt2-upcycled": (768, 3072, 16, 2, 16384),
 }
 GEMM_KERNELS = ("triton_persistent", "grouped_mm", "quack")
-TRAIN_SHAPES = ("qwen3-moe",)
+TRAIN_SHAPES = ("qwen3-moe", "mixtral")  # the training targets
 
 bench = moe_layer.bench
 
