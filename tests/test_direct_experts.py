@@ -131,10 +131,10 @@ def test_pass_rewrites_one_token_graphs_and_keeps_their_output(family, monkeypat
 
 @pytest.mark.parametrize("tokens, options, training, kept", [
     (8, {}, False, None),  # 8 tokens x top-2 over 4 experts: sorted
-    (1, {"fp8": True}, False, "option fp8"),
+    (1, {"expert_parallel": {"group": None}}, False, "option expert_parallel"),
     (1, {}, True, "training graph"),
 ])
-def test_pass_leaves_batches_training_and_fp8_graphs_sorted(tokens, options, training, kept, monkeypatch):
+def test_pass_leaves_batches_training_and_expert_parallel_graphs_sorted(tokens, options, training, kept, monkeypatch):
     if tokens == 1:
         monkeypatch.setattr(pass_module, "MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
     ((gm, _),) = dynamo_graphs(tiny_moe("tiny-mixtral"), token_ids(batch=1, length=tokens), use_cache=False)

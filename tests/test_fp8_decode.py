@@ -1,0 +1,215 @@
+"""FP8 decode, weight-only: the direct experts over FP8 weights (kernels/triton_fp8_decode.py, interpreted on CPU)
+and the FP8 linear against dequantise-then-float32; the ops' reference kernels; the compile pipeline turning a
+decode-sized block into routed_experts_fp8 (option fp8) and the linears into linear_fp8 (option fp8_linears), and
+the compiled one-token model against the float32 one."""
+import pytest
+import torch
+from hf_moe import MOE_LAYERS, dynamo_graphs, moe_nodes, tiny_moe, token_ids
+
+from moecompile import backend
+from moecompile.core import fp8_format as fp8
+from moecompile.ir import ops
+from moecompile.kernels import reference as R
+from moecompile.kernels import triton_fp8_decode
+from moecompile.passes import direct_experts
+from moecompile.passes.pipeline import run_pipeline
+
+TILES = {"in": {"BLOCK_N": 16, "BLOCK_K": 64}, "out": {"BLOCK_N": 16, "BLOCK_K": 32}}  # several tiles and K steps
+
+
+def _block_varied(shape, gen):
+    """Random weights whose 128 x 128 blocks differ in magnitude, so that a block read with another's scale shows."""
+    w = torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+    rows, cols = fp8.cdiv(shape[-2], 128), fp8.cdiv(shape[-1], 128)
+    scale = torch.rand(*shape[:-2], rows, cols, generator=gen) * 4 + 0.25
+    return w * scale.repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :shape[-2], :shape[-1]]
+
+
+def _fp8_experts(num_experts, hidden, width, gated, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w_in = _block_varied((num_experts, (2 if gated else 1) * width, hidden), gen)
+    w_out = _block_varied((num_experts, hidden, width), gen)
+    b_in = torch.randn(num_experts, w_in.shape[1], generator=gen) if bias else None
+    b_out = torch.randn(num_experts, hidden, generator=gen) if bias else None
+    (q_in, s_in), (q_out, s_out) = fp8.quantize_blocks(w_in), fp8.quantize_blocks(w_out)
+    return (q_in, s_in, b_in, q_out, s_out, b_out), (w_in, b_in, w_out, b_out)
+
+
+def _dequantised(q_in, s_in, b_in, q_out, s_out, b_out):
+    return fp8.dequantize_blocks(q_in, s_in), b_in, fp8.dequantize_blocks(q_out, s_out), b_out
+
+
+CASES = {  # name: (tokens, experts, top_k, hidden, width, capacity factor, ids override)
+    "batch 1": (1, 8, 2, 24, 20, -1.0, None),
+    "odd sizes, k = E": (2, 3, 3, 17, 13, -1.0, None),
+    "several scale blocks (up rows across a block edge)": (2, 4, 2, 200, 136, -1.0, None),
+    "capacity overflow (dropped slots)": (4, 4, 2, 16, 12, 0.5, None),
+    "all tokens to one expert": (3, 6, 1, 16, 12, -1.0, "one"),
+    "empty experts": (2, 16, 2, 16, 24, -1.0, None),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("gated, activation, bias", [(True, "silu", False), (False, "gelu", True)])
+def test_fp8_direct_experts_match_dequantised_float32(case, gated, activation, bias):
+    tokens, num_experts, top_k, hidden, width, capacity, override = CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights, ids = R.route(torch.randn(tokens, num_experts, generator=gen), top_k, capacity, True)
+    if override == "one":
+        ids = torch.full_like(ids, 4)
+    if capacity > 0:
+        assert (ids == num_experts).any()  # some assignments dropped
+    quantised, exact = _fp8_experts(num_experts, hidden, width, gated, bias, seed=3)
+    want = R.routed_experts(x, weights, ids, *_dequantised(*quantised), activation, gated)
+    got = triton_fp8_decode.routed_experts_fp8(x, weights, ids, *quantised, activation, gated, config=TILES)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(R.routed_experts_fp8(x, weights, ids, *quantised, activation, gated), want,
+                               rtol=1e-5, atol=1e-5)
+    # FP8 weights alone (activations unquantised) stay near the unquantised FFN: e4m3 rounds each weight by <= 6%,
+    # and two projections over a few channels average little of it
+    full = R.routed_experts(x, weights, ids, *exact, activation, gated).sum(1)
+    assert (got.sum(1) - full).norm() <= 0.12 * full.norm()
+
+
+def test_fp8_direct_experts_read_nothing_for_dropped_assignments():
+    x = torch.randn(2, 16)
+    weights = torch.tensor([[0.7, 0.0], [1.0, 0.0]])
+    ids = torch.tensor([[0, 2], [1, 2]])
+    (q_in, s_in, b_in, q_out, s_out, b_out), _ = _fp8_experts(3, 16, 8, True, True, seed=4)
+    for t in (s_in, b_in, s_out, b_out):
+        t[2] = float("nan")
+    got = triton_fp8_decode.routed_experts_fp8(x, weights, ids, q_in, s_in, b_in, q_out, s_out, b_out, "silu", True,
+                                               config=TILES)
+    assert torch.isfinite(got).all() and (got[:, 1] == 0).all()
+
+
+def test_fp8_direct_experts_empty_batch_and_tile_check():
+    quantised, _ = _fp8_experts(4, 8, 6, True, False, seed=5)
+    out = triton_fp8_decode.routed_experts_fp8(torch.zeros(0, 8), torch.zeros(0, 2),
+                                               torch.zeros(0, 2, dtype=torch.long), *quantised, "silu", True,
+                                               config=TILES)
+    assert out.shape == (0, 2, 8) and out.dtype == torch.float32
+    with pytest.raises(ValueError, match="BLOCK_K must divide 128"):
+        triton_fp8_decode.routed_experts_fp8(torch.zeros(1, 8), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.long),
+                                             *quantised, "silu", True,
+                                             config={"in": {"BLOCK_N": 8, "BLOCK_K": 256}, "out": TILES["out"]})
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fp8_linear_matches_dequantised_float32(rows, bias):
+    """One row: the matrix-vector form; more: the dot form over a row tile padded to 16 / 32 / 64."""
+    gen = torch.Generator().manual_seed(rows)
+    w = _block_varied((150, 200), gen)
+    q, s = fp8.quantize_blocks(w)
+    b = torch.randn(150, generator=gen) if bias else None
+    x = torch.randn(rows, 200, generator=gen)
+    want = torch.nn.functional.linear(x, fp8.dequantize_blocks(q, s), b)
+    got = triton_fp8_decode.linear_fp8(x, q, s, b, config={"BLOCK_N": 32, "BLOCK_K": 64})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(R.linear_fp8(x, q, s, b), want, rtol=1e-5, atol=1e-5)
+    exact = torch.nn.functional.linear(x, w, b)
+    assert (got - exact).norm() <= 0.05 * exact.norm()
+
+
+def test_fp8_linear_row_tiles():
+    assert [triton_fp8_decode.row_tile(m) for m in (1, 2, 16, 17, 64, 65)] == [1, 16, 16, 32, 64, 64]
+
+
+def test_fp8_ops_check_their_weights():
+    """The ops (reference kernels on CPU): leading dims of a linear's input kept; a weight not in FP8 or with
+    scales of another shape is a one-line error."""
+    q, s = fp8.quantize_blocks(torch.randn(40, 130))
+    x = torch.randn(2, 1, 130)
+    y = ops.linear_fp8(x, q, s, None)
+    assert y.shape == (2, 1, 40)
+    torch.testing.assert_close(y, x @ fp8.dequantize_blocks(q, s).t())
+    with pytest.raises(ValueError, match="weight must be float8_e4m3fn"):
+        ops.linear_fp8(x, q.float(), s, None)
+    with pytest.raises(ValueError, match=r"weight_scale_inv has shape \(1, 1\), expected \(1, 2\)"):
+        ops.linear_fp8(x, q, s[:, :1], None)
+    quantised, _ = _fp8_experts(3, 16, 8, True, False, seed=6)
+    q_in, s_in, b_in, q_out, s_out, b_out = quantised
+    with pytest.raises(ValueError, match="w_out_scale_inv has shape"):
+        ops.routed_experts_fp8(torch.randn(1, 16), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.long), q_in, s_in,
+                               b_in, q_out, s_out[:2], b_out, "silu", True)
+
+
+def test_fp8_decode_ops_opcheck():
+    """Fake kernels, autograd registration and AOT dispatch (opcheck's schema test compares inputs with allclose,
+    which float8 lacks on CPU)."""
+    quantised, _ = _fp8_experts(4, 16, 8, True, True, seed=7)
+    weights, ids = R.route(torch.randn(2, 4), 2, -1.0, True)
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(ops.routed_experts_fp8, (torch.randn(2, 16), weights, ids, *quantised, "silu", True),
+                          test_utils=utils)
+    q, s = fp8.quantize_blocks(torch.randn(24, 16))
+    torch.library.opcheck(ops.linear_fp8, (torch.randn(2, 3, 16), q, s, torch.randn(24)), test_utils=utils)
+
+
+# ------------------------------------------------------------------------------------------------------ the passes
+
+def _cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a.flatten().float(), b.flatten().float(), dim=0).item()
+
+
+def test_fp8_one_token_graph_takes_the_direct_fp8_path(monkeypatch):
+    """options fp8 + fp8_linears at one token: direct_experts decides, insert_fp8 makes routed_experts_fp8 (weights
+    as constants, activations unquantised), insert_fp8_linears makes every linear but the routers linear_fp8 (the
+    fused q/k/v weight whole); the graph's logits stay within FP8's error of the float32 graph's."""
+    monkeypatch.setattr(direct_experts, "MAX_ASSIGNMENTS_PER_EXPERT", 1.0)  # tiny models: few experts
+    family = "tiny-qwen3-moe"
+    ((gm, inputs),) = dynamo_graphs(tiny_moe(family), token_ids(batch=1, length=1), use_cache=False)
+    with torch.no_grad():
+        (want,) = gm(*inputs)
+    gm, ctx = run_pipeline(gm, {"fp8": True, "fp8_linears": True}, pipeline="compile", example_inputs=inputs)
+    reports = dict(ctx.reports)
+    layers = MOE_LAYERS[family]
+    assert len(moe_nodes(gm, "routed_experts_fp8")) == layers and not moe_nodes(gm, "routed_experts")
+    assert not moe_nodes(gm, "experts_fp8") and not moe_nodes(gm, "quantize_fp8")
+    assert all("(constants)" in r and "not quantised" in r for r in reports["insert_fp8"]["rewritten"])
+    linears = reports["insert_fp8_linears"]
+    assert len(moe_nodes(gm, "linear_fp8")) == len(linears["rewritten"]) == 2 * layers + 1  # qkv, o; lm_head
+    assert any("fused_projection" in r for r in linears["rewritten"])
+    assert linears["skipped"] == [f"{n}: a router" for n in ("router_logits", "router_logits_1")]
+    with torch.no_grad():
+        (got,) = gm(*inputs)
+    assert _cosine(got, want) >= 0.995 and (got - want).norm() <= 0.08 * want.norm()
+    assert not torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tokens, direct", [(1, True), (8, False)])
+def test_fp8_option_keeps_one_decision_of_decode_size(tokens, direct, monkeypatch):
+    """fp8 no longer keeps direct_experts off: a decode-sized graph goes direct (then FP8 weight-only), a batch
+    keeps the sorted path (then activations quantised, experts_fp8)."""
+    monkeypatch.setattr(direct_experts, "MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
+    ((gm, inputs),) = dynamo_graphs(tiny_moe("tiny-mixtral"), token_ids(batch=1, length=tokens), use_cache=False)
+    gm, ctx = run_pipeline(gm, {"fp8": True}, pipeline="compile", example_inputs=inputs)
+    layers = MOE_LAYERS["tiny-mixtral"]
+    assert len(moe_nodes(gm, "routed_experts_fp8")) == (layers if direct else 0)
+    assert len(moe_nodes(gm, "experts_fp8")) == (0 if direct else layers)
+    assert dict(ctx.reports)["insert_fp8_linears"] == {"skipped": "off (option fp8_linears=None)"}
+
+
+def test_fp8_compiled_model_at_one_token_matches_float32(monkeypatch):
+    """torch.compile with the backend, options fp8 + fp8_linears, one token: the logits of the float32 model within
+    FP8's error, the compiled graph on the FP8 ops; fp8_linears in a training graph is an error."""
+    monkeypatch.setattr(direct_experts, "MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
+    model, ids = tiny_moe("tiny-mixtral"), token_ids(batch=1, length=1)
+    torch._dynamo.reset()
+    backend.clear_records()
+    compiled = torch.compile(model, backend="moecompile", fullgraph=True,
+                             options={"inductor": False, "fp8": True, "fp8_linears": True})
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        got = compiled(ids, use_cache=False).logits
+    (record,) = backend.records()
+    assert len(moe_nodes(record.graph_module, "routed_experts_fp8")) == MOE_LAYERS["tiny-mixtral"]
+    assert moe_nodes(record.graph_module, "linear_fp8")
+    assert _cosine(got, want) >= 0.995 and (got - want).norm() <= 0.08 * want.norm()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="'fp8_linears' is inference-only"):  # Dynamo wraps the pass's error
+        torch.compile(model, backend="moecompile", options={"inductor": False, "fp8_linears": True})(
+            ids, use_cache=False)
+    torch._dynamo.reset()
