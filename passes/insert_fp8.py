@@ -66,6 +66,7 @@ LINEAR_FP8 = torch.ops.moecompile.linear_fp8.default
 EXPERT_USES = (EXPERTS, EXPERTS_FP8, ROUTED_EXPERTS, ROUTED_EXPERTS_FP8)  # the nodes that may read expert weights
 ROUTERS = ("route", "route_grouped")  # the ops a router linear's logits go to
 ROUTER_HOPS = 4  # how far (casts, views) a router linear's output may travel before its routing op
+ROUTER_MODULES = ("gate", "router")  # HF's names of a router's module (gate_proj, shared_expert_gate are not)
 # (memory location, shape, strides, dtype) of a real weight -> (weakref to it, its version, its FP8 form): the prefill
 # and decode graphs of one model share one FP8 copy of each weight
 _QUANTIZED: dict[tuple, tuple] = {}
@@ -280,14 +281,21 @@ def insert_fp8(gm: fx.GraphModule, ctx) -> dict:
     return {"rewritten": rewritten, "skipped": skipped}
 
 
-def _feeds_router(node: fx.Node) -> bool:
-    """Whether node's output reaches a routing op within ROUTER_HOPS nodes (a router's logits, maybe cast)."""
+def _is_router(node: fx.Node) -> bool:
+    """Whether linear node is a router: its output reaches a routing op within ROUTER_HOPS nodes (its logits, maybe
+    cast), or it sits in a module named as HF names routers (`mlp.gate`, `mlp.router`, a `...TopKRouter` class),
+    for a graph where no routing op follows (an unrecognised block, a graph break)."""
     frontier = [node]
     for _ in range(ROUTER_HOPS):
         frontier = [u for n in frontier for u in n.users]
         if any(moe_op(u) in ROUTERS for u in frontier):
             return True
-    return False
+    scopes = list(node.meta.get("nn_module_stack", {}).values())
+    if not scopes:
+        return False
+    path, cls = scopes[-1]
+    name = getattr(cls, "__name__", str(cls))
+    return path.rpartition(".")[2] in ROUTER_MODULES or "router" in name.lower()
 
 
 def _linear_weight(gm: fx.GraphModule, ctx, w) -> torch.Tensor | None:
@@ -311,7 +319,7 @@ def insert_fp8_linears(gm: fx.GraphModule, ctx) -> dict:
     rewritten, skipped = [], []
     for node in [n for n in gm.graph.nodes if kind(n) == "linear"]:
         x, w, b = arg(node, "input"), arg(node, "weight"), arg(node, "bias")
-        if _feeds_router(node):
+        if _is_router(node):
             skipped.append(f"{node.name}: a router")
             continue
         real = _linear_weight(gm, ctx, w)

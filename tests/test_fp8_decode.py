@@ -213,3 +213,16 @@ def test_fp8_compiled_model_at_one_token_matches_float32(monkeypatch):
         torch.compile(model, backend="moecompile", options={"inductor": False, "fp8_linears": True})(
             ids, use_cache=False)
     torch._dynamo.reset()
+
+
+def test_fp8_linears_know_routers_without_routing_ops():
+    """Where no routing op follows (the MoE block not recognised, a graph break), routers are known by their HF
+    module names; Qwen2-MoE's shared_expert_gate (a plain linear) is not one."""
+    from moecompile.passes.insert_fp8 import insert_fp8_linears
+
+    ((gm, inputs),) = dynamo_graphs(tiny_moe("tiny-qwen2-moe"), token_ids(batch=1, length=1), use_cache=False)
+    gm, ctx = run_pipeline(gm, {"fp8_linears": True}, passes=[insert_fp8_linears], example_inputs=inputs,
+                           pipeline="compile")
+    report = dict(ctx.reports)["insert_fp8_linears"]
+    assert report["skipped"] == ["router_logits: a router", "router_logits_1: a router"]
+    assert sum("shared_expert_gate" in r for r in report["rewritten"]) == 2
