@@ -4,7 +4,8 @@ own dtype (not quantised) and the math is float32 (the small-M linear's tensor-c
 which holds every e4m3 value exactly, scaled in float32 after each K step).
 
 - routed_experts_fp8: kernels/triton_direct.py's direct experts (one program per (assignment, column tile), no
-  dispatch, the routing weight applied in the second projection's epilogue) over FP8 expert weights.
+  dispatch, the routing weight applied in the second projection's epilogue) over FP8 expert weights (its kernels'
+  SCALED form, with tiles of at most 128 channels of K).
 - linear_fp8: y = x W^T + b for a few rows (decode), one program per (row tile, column tile); one row is a
   matrix-vector product, more rows a tensor-core dot over a row tile padded to 16.
 
@@ -15,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moecompile.kernels.triton_moe import ACTIVATION_IDS, _bias_activation, _expert_columns
+from moecompile.kernels import triton_direct
+from moecompile.kernels.triton_direct import row_scales
 
 BLOCK = 128  # the weights' scale block edge
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activation dtypes these kernels take
@@ -33,83 +35,11 @@ def _dot_configs():
                                  (128, 64, 8, 4), (32, 64, 2, 5))]
 
 
-@triton.jit
-def _row_scales(s_ptr, rows, rmask, k_blocks: tl.constexpr, k0):
-    """[len(rows)] float32: each weight row's scale_inv for the 128-channel block holding channel k0."""
-    return tl.load(s_ptr + (rows // 128).to(tl.int64) * k_blocks + k0 // 128, mask=rmask, other=0.0)
-
-
-@triton.jit
-def _fp8_direct_in_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, assignments, top_k, num_experts,
-                          hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                          ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[a, cols] = act(x[a // top_k] W_in[ids[a]][cols]^T + b) (gated: act(gate) * up) with W_in dequantised
-    from its FP8 blocks, one program per (assignment a, column tile); `assignments` only keys the autotuning."""
-    tiles_n: tl.constexpr = (width + BLOCK_N - 1) // BLOCK_N
-    k_blocks: tl.constexpr = (hidden + 127) // 128
-    in_width: tl.constexpr = 2 * width if GATED else width
-    a = tl.program_id(0) // tiles_n
-    pid_n = tl.program_id(0) % tiles_n
-    expert = tl.load(ids_ptr + a)
-    if (expert >= 0) & (expert < num_experts):
-        x_row = x_ptr + (a // top_k).to(tl.int64) * hidden
-        cols, cmask, w_base = _expert_columns(w_ptr, expert, pid_n, hidden, width, GATED, BLOCK_N)
-        s_base = s_ptr + expert.to(tl.int64) * ((in_width + 127) // 128) * k_blocks
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_row + ks, mask=ks < hidden, other=0.0).to(tl.float32)[None, :]
-            wmask = cmask[:, None] & (ks < hidden)[None, :]
-            w = tl.load(w_base + cols[:, None].to(tl.int64) * hidden + ks[None, :], mask=wmask, other=0.0)
-            acc += w.to(tl.float32) * _row_scales(s_base, cols, cmask, k_blocks, k0)[:, None] * xk
-            if GATED:
-                up = width + cols
-                wu = tl.load(w_base + up[:, None].to(tl.int64) * hidden + ks[None, :], mask=wmask, other=0.0)
-                acc_up += wu.to(tl.float32) * _row_scales(s_base, up, cmask, k_blocks, k0)[:, None] * xk
-        out = _bias_activation(tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :], bias_ptr, expert,
-                               cols, cmask, width, HAS_BIAS, GATED, ACT)
-        tl.store(out_ptr + a.to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=cmask[None, :])
-
-
-@triton.jit
-def _fp8_direct_out_kernel(a_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, assignments, num_experts,
-                           hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
-    """out[a, cols] = weights[a] * (act[a] W_out[ids[a]][cols]^T + b_out[ids[a]][cols]) in float32 with W_out
-    dequantised from its FP8 blocks, one program per (assignment a, column tile); 0 for a dropped assignment."""
-    tiles_n: tl.constexpr = (hidden + BLOCK_N - 1) // BLOCK_N
-    k_blocks: tl.constexpr = (width + 127) // 128
-    a = tl.program_id(0) // tiles_n
-    cols = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < hidden
-    expert = tl.load(ids_ptr + a)
-    weight = tl.load(weights_ptr + a).to(tl.float32)
-    kept = (expert >= 0) & (expert < num_experts) & (weight != 0.0)
-    limit = tl.where(kept, width, 0)  # a dropped assignment reads nothing
-    w_base = w_ptr + expert.to(tl.int64) * hidden * width
-    s_base = s_ptr + expert.to(tl.int64) * ((hidden + 127) // 128) * k_blocks
-    smask = cols < tl.where(kept, hidden, 0)  # a dropped assignment reads no scales
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, width, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < limit
-        ak = tl.load(a_ptr + a.to(tl.int64) * width + ks, mask=kmask, other=0.0).to(tl.float32)
-        w = tl.load(w_base + cols[:, None].to(tl.int64) * width + ks[None, :], mask=cmask[:, None] & kmask[None, :],
-                    other=0.0)
-        acc += w.to(tl.float32) * _row_scales(s_base, cols, smask, k_blocks, k0)[:, None] * ak[None, :]
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + expert.to(tl.int64) * hidden + cols, mask=cols < tl.where(kept, hidden, 0),
-                     other=0.0).to(tl.float32)
-    tl.store(out_ptr + a.to(tl.int64) * hidden + cols, tl.where(kept, weight * y, 0.0), mask=cmask)
-
-
+# the direct kernels' tiles for FP8 weights: K steps of at most 128 (one scale block per step)
 _fp8_direct_in_tuned = triton.autotune(configs=_matvec_configs(), key=["hidden", "width", "GATED", "assignments"])(
-    _fp8_direct_in_kernel)
+    triton_direct._direct_ffn_in_kernel)
 _fp8_direct_out_tuned = triton.autotune(configs=_matvec_configs(), key=["hidden", "width", "assignments"])(
-    _fp8_direct_out_kernel)
+    triton_direct._direct_ffn_out_kernel)
 
 
 def _check_config(config: dict | None) -> None:
@@ -126,34 +56,9 @@ def routed_experts_fp8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     x [T, H] in DTYPES, weights / ids [T, k]. `config` fixes both kernels' tiles ({"in": {BLOCK_N, BLOCK_K},
     "out": {...}}, BLOCK_K dividing 128); otherwise each is autotuned per shape."""
     _check_config(config)
-    tokens, hidden = x.shape
-    top_k = ids.shape[1]
-    num_experts, in_width, _ = w_in.shape
-    width = in_width // 2 if gated else in_width
-    assignments = tokens * top_k
-    terms = x.new_empty(tokens, top_k, hidden, dtype=torch.float32)
-    if assignments == 0:
-        return terms
-    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    w_in, w_out = w_in.contiguous(), w_out.contiguous()
-    w_in_scale_inv, w_out_scale_inv = w_in_scale_inv.float().contiguous(), w_out_scale_inv.float().contiguous()
-    act = x.new_empty(assignments, width)
-    first = dict(hidden=hidden, width=width, HAS_BIAS=b_in is not None, GATED=gated,
-                 ACT=ACTIVATION_IDS[activation] if activation else -1)
-    second = dict(hidden=hidden, width=width, HAS_BIAS=b_out is not None)
-    in_args = (x, ids, w_in, w_in_scale_inv, b_in if b_in is not None else x, act, assignments, top_k, num_experts)
-    out_args = (act, ids, weights, w_out, w_out_scale_inv, b_out if b_out is not None else x, terms, assignments,
-                num_experts)
-    if config is None:
-        _fp8_direct_in_tuned[lambda meta: (assignments * triton.cdiv(width, meta["BLOCK_N"]),)](*in_args, **first)
-        _fp8_direct_out_tuned[lambda meta: (assignments * triton.cdiv(hidden, meta["BLOCK_N"]),)](*out_args,
-                                                                                                   **second)
-    else:
-        _fp8_direct_in_kernel[(assignments * triton.cdiv(width, config["in"]["BLOCK_N"]),)](
-            *in_args, **first, **config["in"])
-        _fp8_direct_out_kernel[(assignments * triton.cdiv(hidden, config["out"]["BLOCK_N"]),)](
-            *out_args, **second, **config["out"])
-    return terms
+    return triton_direct.launch(x, weights, ids, w_in, b_in, w_out, b_out, activation, gated, config,
+                                scales=(w_in_scale_inv, w_out_scale_inv),
+                                tuned=(_fp8_direct_in_tuned, _fp8_direct_out_tuned))
 
 
 # ---- linear_fp8: a few rows (decode) times FP8 block-scaled weights
@@ -178,7 +83,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rows, n: tl.const
             xk = tl.load(x_ptr + row * k + ks, mask=ks < k, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + cols[:, None].to(tl.int64) * k + ks[None, :], mask=cmask[:, None] & (ks < k)[None, :],
                         other=0.0)
-            acc += w.to(tl.float32) * _row_scales(s_ptr, cols, cmask, k_blocks, k0)[:, None] * xk[None, :]
+            acc += w.to(tl.float32) * row_scales(s_ptr, cols, cmask, k_blocks, k0)[:, None] * xk[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -194,7 +99,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rows, n: tl.const
                          other=0.0)
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * k + ks[:, None], mask=kmask[:, None] & cmask[None, :],
                         other=0.0)
-            acc += tl.dot(xk, w.to(xk.dtype)) * _row_scales(s_ptr, cols, cmask, k_blocks, k0)[None, :]
+            acc += tl.dot(xk, w.to(xk.dtype)) * row_scales(s_ptr, cols, cmask, k_blocks, k0)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rs[:, None].to(tl.int64) * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),

@@ -5,6 +5,8 @@ the compiled one-token model against the float32 one."""
 import pytest
 import torch
 from hf_moe import MOE_LAYERS, dynamo_graphs, moe_nodes, tiny_moe, token_ids
+from test_direct_experts import CASES as DIRECT_CASES
+from test_direct_experts import case_inputs
 
 from moecompile import backend
 from moecompile.core import fp8_format as fp8
@@ -39,27 +41,15 @@ def _dequantised(q_in, s_in, b_in, q_out, s_out, b_out):
     return fp8.dequantize_blocks(q_in, s_in), b_in, fp8.dequantize_blocks(q_out, s_out), b_out
 
 
-CASES = {  # name: (tokens, experts, top_k, hidden, width, capacity factor, ids override)
-    "batch 1": (1, 8, 2, 24, 20, -1.0, None),
-    "odd sizes, k = E": (2, 3, 3, 17, 13, -1.0, None),
-    "several scale blocks (up rows across a block edge)": (2, 4, 2, 200, 136, -1.0, None),
-    "capacity overflow (dropped slots)": (4, 4, 2, 16, 12, 0.5, None),
-    "all tokens to one expert": (3, 6, 1, 16, 12, -1.0, "one"),
-    "empty experts": (2, 16, 2, 16, 24, -1.0, None),
-}
+CASES = {**DIRECT_CASES,  # name: (tokens, experts, top_k, hidden, width, capacity factor, ids override)
+         "several scale blocks (up rows across a block edge)": (2, 4, 2, 200, 136, -1.0, None)}
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("gated, activation, bias", [(True, "silu", False), (False, "gelu", True)])
 def test_fp8_direct_experts_match_dequantised_float32(case, gated, activation, bias):
-    tokens, num_experts, top_k, hidden, width, capacity, override = CASES[case]
-    gen = torch.Generator().manual_seed(len(case))
-    x = torch.randn(tokens, hidden, generator=gen)
-    weights, ids = R.route(torch.randn(tokens, num_experts, generator=gen), top_k, capacity, True)
-    if override == "one":
-        ids = torch.full_like(ids, 4)
-    if capacity > 0:
-        assert (ids == num_experts).any()  # some assignments dropped
+    _, num_experts, _, hidden, width, _, _ = CASES[case]
+    x, weights, ids = case_inputs(case, CASES)
     quantised, exact = _fp8_experts(num_experts, hidden, width, gated, bias, seed=3)
     want = R.routed_experts(x, weights, ids, *_dequantised(*quantised), activation, gated)
     got = triton_fp8_decode.routed_experts_fp8(x, weights, ids, *quantised, activation, gated, config=TILES)
