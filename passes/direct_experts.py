@@ -11,9 +11,9 @@ by the routing weights in its second projection (kernels/triton_direct.py) and r
 token, whose sum is left in the graph (one small inductor reduction where the sorted path has its combine kernel).
 Inference graphs only, and only where no later pass needs the dispatched rows (expert parallelism exchanges them)
 or the kernels need GPT-OSS's interleaved gate/up. With option fp8, insert_fp8 then makes each routed_experts a
-routed_experts_fp8 (FP8 weights dequantised in registers, activations not quantised): one decision of what is
-decode-sized, here, for both precisions. Runs before fuse_route_dispatch,
-which then leaves these routers as they are: their top-k is the only routing left.
+routed_experts_fp8 (FP8 weights dequantised in registers, activations not quantised): what is decode-sized is
+decided here, for both precisions. Runs before fuse_route_dispatch, which then leaves these routers as they are:
+their top-k is the only routing left.
 """
 from __future__ import annotations
 

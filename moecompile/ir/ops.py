@@ -465,7 +465,7 @@ def _(x, weight, weight_scale_inv, bias):
 
 def _no_backward(op_name: str):
     def backward(ctx, *grads):
-        raise MoECompileError(f"moecompile::{op_name} is inference-only (FP8 experts have no backward): run the "
+        raise MoECompileError(f"moecompile::{op_name} is inference-only (the FP8 ops have no backward): run the "
                               "model under torch.no_grad(), or moecompile.ir.fp8.dequantize(model) to train it")
     return backward
 
