@@ -325,6 +325,28 @@ def routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation:
     return weighted_terms(out, order, weights)
 
 
+def routed_experts_fp8(x, weights, expert_ids, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
+                       activation: str, gated: bool):
+    """routed_experts() over FP8 block-scaled expert weights (weight-only: x is not quantised), in float32: each
+    expert's weights dequantised when some assignment names it."""
+    rows, order, offsets = dispatch(x.float(), expert_ids, w_in.shape[0])
+
+    def expert_weights(e):
+        return fp8.dequantize_blocks(w_in[e], w_in_scale_inv[e]), fp8.dequantize_blocks(w_out[e], w_out_scale_inv[e])
+
+    as_float = (lambda b: None if b is None else b.float())
+    y = _grouped_ffn(rows, offsets, expert_weights, as_float(b_in), as_float(b_out), w_out.shape[1], activation, gated)
+    return weighted_terms(y, order, weights)
+
+
+# ---- linear_fp8: a linear over FP8 block-scaled weights (weight-only)
+
+def linear_fp8(x, weight, weight_scale_inv, bias):
+    """x [..., K] W^T + b with W [N, K] dequantised from its 128 x 128 blocks; float32 math, output in x's dtype."""
+    w = fp8.dequantize_blocks(weight, weight_scale_inv)
+    return torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+
 # ---- route_dispatch: router linear + route_grouped + dispatch as one op (what fuse_route_dispatch emits)
 
 def router_logits(hidden, router_weight, router_bias, logits_fp32: bool):

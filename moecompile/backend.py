@@ -42,7 +42,11 @@ OPTIONS = {
                                             "convention)"),
     "print_graph": (bool, False, "print the graph before and after each pass"),
     "fp8": (bool, None, "insert_fp8: FP8 experts (inference); the expert weights are quantised once, from their "
-                        "values when the graph compiles"),
+                        "values when the graph compiles; at a few tokens (direct_experts) the kernel reads the FP8 "
+                        "weights and dequantises them in registers, activations not quantised"),
+    "fp8_linears": (bool, None, "insert_fp8_linears: the other linears (attention projections, dense and shared "
+                                "FFNs, the logits head; not routers) as FP8 weights in 128x128 blocks, quantised "
+                                "once when the graph compiles, dequantised in registers at decode (inference)"),
     "expert_parallel": (dict, None, "insert_all_to_all: experts sharded over {'group': ProcessGroup or None (the "
                                     "world), 'overlap_degree': int}; torch.distributed must be initialised"),
 }
@@ -228,7 +232,7 @@ def compile(model, *, fullgraph: bool = False, dynamic: bool | None = None, **op
     """torch.compile(model, backend="moecompile", options=options), without going through the entry point.
 
     Options (see OPTIONS): inductor, mode, inductor_config, fuse, direct_experts, fuse_projections, gqa_attention,
-    decode_matvec, capacity_factor, print_graph, fp8, expert_parallel."""
+    decode_matvec, capacity_factor, print_graph, fp8, fp8_linears, expert_parallel."""
     options = {**recorded_options(model), **options}
     resolve_options(options)  # fail here, not at the first call
     return torch.compile(model, backend=moecompile_backend, fullgraph=fullgraph, dynamic=dynamic,

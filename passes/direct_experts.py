@@ -9,9 +9,11 @@ At a few tokens the sorted form costs three launches around the expert GEMMs (th
 and tiles that are mostly empty rows; routed_experts reads each assignment's expert and token directly, multiplies
 by the routing weights in its second projection (kernels/triton_direct.py) and returns the k weighted terms of each
 token, whose sum is left in the graph (one small inductor reduction where the sorted path has its combine kernel).
-Inference graphs only, and only where no later pass needs the dispatched rows (FP8 quantises them, expert
-parallelism exchanges them) or the kernels need GPT-OSS's interleaved gate/up. Runs before fuse_route_dispatch,
-which then leaves these routers as they are: their top-k is the only routing left.
+Inference graphs only, and only where no later pass needs the dispatched rows (expert parallelism exchanges them)
+or the kernels need GPT-OSS's interleaved gate/up. With option fp8, insert_fp8 then makes each routed_experts a
+routed_experts_fp8 (FP8 weights dequantised in registers, activations not quantised): what is decode-sized is
+decided here, for both precisions. Runs before fuse_route_dispatch, which then leaves these routers as they are:
+their top-k is the only routing left.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from moecompile.ir.ops import glu_args
 from moecompile.passes.nodes import arg, block_meta, call, call_op, moe_op, op_args, value
 
 ROUTED_EXPERTS = torch.ops.moecompile.routed_experts.default
-NEEDS_DISPATCHED_ROWS = ("fp8", "expert_parallel")  # options whose passes rewrite the dispatched rows
+NEEDS_DISPATCHED_ROWS = ("expert_parallel",)  # options whose passes rewrite the dispatched rows
 # Direct while there are at most this many assignments per expert, so that few experts are read twice: one token of
 # Qwen3-30B-A3B or DeepSeek-V3 (8 of 128 / 256), not Mixtral's (2 of 8, where the sorted kernels measured as fast).
 MAX_ASSIGNMENTS_PER_EXPERT = 0.125

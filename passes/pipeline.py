@@ -23,7 +23,7 @@ from moecompile.passes.fuse_projections import fuse_projections
 from moecompile.passes.fuse_route_dispatch import fuse_route_dispatch
 from moecompile.passes.gqa_attention import gqa_attention
 from moecompile.passes.insert_all_to_all import insert_all_to_all
-from moecompile.passes.insert_fp8 import insert_fp8
+from moecompile.passes.insert_fp8 import insert_fp8, insert_fp8_linears
 from moecompile.passes.keep_first_projection import keep_first_projection
 from moecompile.passes.moeize import moeize
 from moecompile.passes.nodes import value
@@ -36,16 +36,17 @@ PIPELINES = {
     "convert": [find_ffn, moeize, insert_fp8, insert_all_to_all],
     # Dynamo graphs in the torch.compile backend: existing MoE blocks -> moecompile ops, then their optimisation
     # (keep_first_projection only in training graphs; direct_experts, fuse_projections, gqa_attention only in
-    # inference graphs).
+    # inference graphs; insert_fp8_linears after fuse_projections, so that a fused weight is quantised whole).
     "compile": [recognise_moe, set_capacity, direct_experts, fuse_route_dispatch, insert_fp8, insert_all_to_all,
-                keep_first_projection, fuse_projections, gqa_attention],
+                keep_first_projection, fuse_projections, insert_fp8_linears, gqa_attention],
 }
 PIPELINE = PIPELINES["convert"]
 
 # passes that an option turns on (default None: off) or off (default True: on): pass -> (option, default)
 GATES = {set_capacity: ("capacity_factor", None), direct_experts: ("direct_experts", True),
          fuse_route_dispatch: ("fuse", True),
-         insert_fp8: ("fp8", None), insert_all_to_all: ("expert_parallel", None),
+         insert_fp8: ("fp8", None), insert_fp8_linears: ("fp8_linears", None),
+         insert_all_to_all: ("expert_parallel", None),
          fuse_projections: ("fuse_projections", True), gqa_attention: ("gqa_attention", True)}
 
 

@@ -43,6 +43,15 @@ QUACK_FALLBACK = "triton_persistent"  # where "quack" is chosen but not installe
 ONE_LAUNCH_ROUTE_MAX_EXPERTS_AT_ONE_TOKEN = 64
 
 
+# FP8 linears (option fp8_linears): up to this many rows (decode) the weight-only Triton kernel reads the FP8 weights
+# once; more rows (a prefill) dequantise the weights and run the GEMM library in the activations' dtype.
+FP8_LINEAR_MAX_ROWS = 64
+
+
+def fp8_linear_in_registers(rows: int) -> bool:
+    return rows <= FP8_LINEAR_MAX_ROWS
+
+
 def one_launch_route(tokens: int, num_experts: int) -> bool:
     return tokens > 1 or num_experts <= ONE_LAUNCH_ROUTE_MAX_EXPERTS_AT_ONE_TOKEN
 

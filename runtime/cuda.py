@@ -152,3 +152,5 @@ for _op in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "
 register_kernel("experts_backward", "cuda", experts_backward, supports={KEPT_H})
 register_kernel("quantize_fp8", "cuda", fp8.quantize_fp8)
 register_kernel("experts_fp8", "cuda", fp8.experts_fp8)
+register_kernel("routed_experts_fp8", "cuda", fp8.routed_experts_fp8)
+register_kernel("linear_fp8", "cuda", fp8.linear_fp8)

@@ -2,6 +2,8 @@
 not fit; else rowwise or block-scaled GEMMs (runtime/choices.py), block batches on sm_90 through the chain CUTLASS ->
 Gluon -> Triton (a kernel that cannot be built here is skipped from then on, with one warning). Weights converted
 for a kernel (per-channel scales, CUTLASS's scale layout, Gluon's gate/up order) are cached per weight tensor.
+The weight-only ops (routed_experts_fp8, linear_fp8: decode) run kernels/triton_fp8_decode.py, which dequantises
+the FP8 weights in registers; linear_fp8 over more rows dequantises the weight and runs the GEMM library.
 """
 import functools
 import logging
@@ -12,7 +14,7 @@ from triton.compiler.errors import CompilationError
 
 from moecompile.core import fp8_format as fp8_math
 from moecompile.core import settings
-from moecompile.kernels import cutlass_fp8, grouped_mm, reference, triton_fp8, triton_moe
+from moecompile.kernels import cutlass_fp8, grouped_mm, reference, triton_fp8, triton_fp8_decode, triton_moe
 from moecompile.runtime import choices
 
 _GLUON_UNUSABLE: list[Exception] = []  # set when the Gluon kernel failed to build here: not tried again
@@ -128,3 +130,27 @@ def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, 
     return triton_fp8.experts_fp8_rowwise(x_rows, x_row_scale, offsets, *_rowwise_weights(w_in, w_in_scale_inv), b_in,
                                           *_rowwise_weights(w_out, w_out_scale_inv), b_out, activation, gated,
                                           out_dtype)
+
+
+def _weight_only(x: torch.Tensor) -> bool:
+    """Whether the weight-only Triton kernels take x (they convert float8_e4m3fn in registers: sm_89+)."""
+    return _fp8_gemm_supported(x) and x.dtype in triton_fp8_decode.DTYPES
+
+
+def routed_experts_fp8(x, weights, expert_ids, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
+                       activation: str, gated: bool):
+    args = (x, weights, expert_ids, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out, activation, gated)
+    if not (_weight_only(x) and (activation in triton_moe.ACTIVATION_IDS or not activation)):
+        return reference.routed_experts_fp8(*args)
+    return triton_fp8_decode.routed_experts_fp8(*args)
+
+
+def linear_fp8(x, weight, weight_scale_inv, bias):
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not _weight_only(x):
+        return reference.linear_fp8(x, weight, weight_scale_inv, bias)
+    if not choices.fp8_linear_in_registers(rows):
+        w = fp8_math.dequantize_blocks(weight, weight_scale_inv, dtype=x.dtype)
+        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+    y = triton_fp8_decode.linear_fp8(x.reshape(rows, x.shape[-1]), weight, weight_scale_inv, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])

@@ -8,7 +8,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moecompile.kernels import triton_direct, triton_fp8, triton_moe, triton_routing
+from moecompile.kernels import triton_direct, triton_fp8, triton_fp8_decode, triton_moe, triton_routing
 
 TARGET = GPUTarget("cuda", 90, 32)
 BF16 = "*bf16"
@@ -94,16 +94,25 @@ def cases():
     fp8_rows = {**scatter, "x_ptr": "*fp8e4nv", "rows_ptr": "*fp8e4nv"}
     yield (triton_routing._scatter_rows_kernel, "H=7168 FP8 rows", fp8_rows,
            dict(hidden=7168, TOP_K=8, RANK_BLOCK=64, BLOCK_A=32, BLOCK_H=512), {})
-    direct = {"x_ptr": BF16, "ids_ptr": "*i64", "w_ptr": BF16, "bias_ptr": BF16, "out_ptr": BF16}
+    direct = {"x_ptr": BF16, "ids_ptr": "*i64", "w_ptr": BF16, "s_ptr": BF16, "bias_ptr": BF16, "out_ptr": BF16}
+    fp8_direct = {**direct, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}  # FP8 weights, 128 x 128 block scales
     for gated, act, bias, label in ((True, 3, False, "swiglu"), (False, 0, True, "gelu+bias")):
         yield (triton_direct._direct_ffn_in_kernel, label, direct,
-               dict(hidden=2048, width=768, HAS_BIAS=bias, GATED=gated, ACT=act, BLOCK_N=16, BLOCK_K=256),
-               dict(num_warps=4, num_stages=4))
-    for bias in (False, True):
-        yield (triton_direct._direct_ffn_out_kernel, "bias" if bias else "no bias",
-               {**direct, "a_ptr": BF16, "weights_ptr": "*fp32", "out_ptr": "*fp32"},  # float32 terms
-               dict(hidden=2048, width=768, HAS_BIAS=bias, BLOCK_N=8, BLOCK_K=256),
+               dict(hidden=2048, width=768, HAS_BIAS=bias, GATED=gated, ACT=act, SCALED=False, BLOCK_N=16,
+                    BLOCK_K=256), dict(num_warps=4, num_stages=4))
+    yield (triton_direct._direct_ffn_in_kernel, "swiglu, FP8 weights", fp8_direct,
+           dict(hidden=2048, width=768, HAS_BIAS=False, GATED=True, ACT=3, SCALED=True, BLOCK_N=16, BLOCK_K=128),
+           dict(num_warps=4, num_stages=4))
+    for bias, scaled, types in ((False, False, direct), (True, False, direct), (False, True, fp8_direct)):
+        yield (triton_direct._direct_ffn_out_kernel, ("bias" if bias else "no bias") + (", FP8" if scaled else ""),
+               {**types, "a_ptr": BF16, "weights_ptr": "*fp32", "out_ptr": "*fp32"},  # float32 terms
+               dict(hidden=2048, width=768, HAS_BIAS=bias, SCALED=scaled, BLOCK_N=8, BLOCK_K=256 >> scaled),
                dict(num_warps=2, num_stages=4))
+    linear = {"x_ptr": BF16, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": BF16, "out_ptr": BF16}
+    for block_m, label in ((1, "one row (matrix-vector)"), (16, "16 rows (dot)")):
+        yield (triton_fp8_decode._fp8_linear_kernel, label, linear,
+               dict(n=5120, k=2048, HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=32 if block_m == 1 else 64,
+                    BLOCK_K=128), dict(num_warps=4, num_stages=4))
 
 
 if __name__ == "__main__":

@@ -42,11 +42,9 @@ CASES = {  # name: (tokens, experts, top_k, hidden, width, capacity factor, ids 
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("gated, activation, bias", [(True, "silu", False), (False, "gelu", True),
-                                                     (True, "relu", True)])
-def test_triton_routed_experts_match_dispatch_experts_combine(case, gated, activation, bias):
-    tokens, num_experts, top_k, hidden, width, capacity, override = CASES[case]
+def case_inputs(case: str, cases: dict = CASES) -> tuple:
+    """(x, weights, ids) of a case: random tokens and routing (seeded by the case's name)."""
+    tokens, num_experts, top_k, hidden, _, capacity, override = cases[case]
     gen = torch.Generator().manual_seed(len(case))
     x = torch.randn(tokens, hidden, generator=gen)
     weights, ids = R.route(torch.randn(tokens, num_experts, generator=gen), top_k, capacity, True)
@@ -54,6 +52,15 @@ def test_triton_routed_experts_match_dispatch_experts_combine(case, gated, activ
         ids = torch.full_like(ids, 3)
     if capacity > 0:
         assert (ids == num_experts).any()  # some assignments dropped
+    return x, weights, ids
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("gated, activation, bias", [(True, "silu", False), (False, "gelu", True),
+                                                     (True, "relu", True)])
+def test_triton_routed_experts_match_dispatch_experts_combine(case, gated, activation, bias):
+    _, num_experts, _, hidden, width, _, _ = CASES[case]
+    x, weights, ids = case_inputs(case)
     params = _experts(num_experts, hidden, width, gated, bias, seed=3)
     want = _sorted(x, weights, ids, *params, activation, gated)
     got = triton_direct.routed_experts(x, weights, ids, *params, activation, gated, config=TILES)
@@ -131,10 +138,10 @@ def test_pass_rewrites_one_token_graphs_and_keeps_their_output(family, monkeypat
 
 @pytest.mark.parametrize("tokens, options, training, kept", [
     (8, {}, False, None),  # 8 tokens x top-2 over 4 experts: sorted
-    (1, {"fp8": True}, False, "option fp8"),
+    (1, {"expert_parallel": {"group": None}}, False, "option expert_parallel"),
     (1, {}, True, "training graph"),
 ])
-def test_pass_leaves_batches_training_and_fp8_graphs_sorted(tokens, options, training, kept, monkeypatch):
+def test_pass_leaves_batches_training_and_expert_parallel_graphs_sorted(tokens, options, training, kept, monkeypatch):
     if tokens == 1:
         monkeypatch.setattr(pass_module, "MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
     ((gm, _),) = dynamo_graphs(tiny_moe("tiny-mixtral"), token_ids(batch=1, length=tokens), use_cache=False)

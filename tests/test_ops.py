@@ -480,7 +480,7 @@ def test_cuda_kernels_load_on_first_use_and_reference_can_be_forced(monkeypatch)
     for name in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_backward", "combine",
                  "combine_backward", "dispatch_backward"):
         assert kernel_for(name, "cuda") is getattr(C, name)
-    for name in ("quantize_fp8", "experts_fp8"):
+    for name in ("quantize_fp8", "experts_fp8", "routed_experts_fp8", "linear_fp8"):
         assert kernel_for(name, "cuda") is getattr(fp8, name)
     for name in ("route_backward", "route_grouped_backward"):  # sync-free reference kernels serve CUDA too
         assert kernel_for(name, "cuda") is getattr(R, name)

@@ -423,15 +423,57 @@ def _(x, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_in
     return x.new_empty(x.shape[0], w_out.shape[1], dtype=out_dtype)
 
 
+# routed_experts_fp8: routed_experts() over experts_fp8's weights, weight-only (x is not quantised): what insert_fp8
+# makes of direct_experts' routed_experts. linear_fp8: a linear over one FP8 block-scaled weight [N, K] (scale_inv
+# [ceil(N/128), ceil(K/128)]), weight-only, output in x's dtype: what insert_fp8_linears makes of a linear.
+
+def _check_fp8_weight(op: str, name: str, w: Tensor, scale_inv: Tensor) -> None:
+    if w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"moecompile::{op}: {name} must be float8_e4m3fn, got {w.dtype}")
+    expected = (*w.shape[:-2], _tiles(w.shape[-2]), _tiles(w.shape[-1]))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"moecompile::{op}: {name}_scale_inv has shape {tuple(scale_inv.shape)}, expected {expected}")
+
+
+@torch.library.custom_op("moecompile::routed_experts_fp8", mutates_args=())
+def routed_experts_fp8(x: Tensor, weights: Tensor, expert_ids: Tensor, w_in: Tensor, w_in_scale_inv: Tensor,
+                       b_in: Optional[Tensor], w_out: Tensor, w_out_scale_inv: Tensor, b_out: Optional[Tensor],
+                       activation: str, gated: bool) -> Tensor:
+    """x [T, H], weights / expert_ids [T, k] -> [T, k, H] in >= float32, as routed_experts computes them from the
+    dequantised weights."""
+    _check_fp8_weight("routed_experts_fp8", "w_in", w_in, w_in_scale_inv)
+    _check_fp8_weight("routed_experts_fp8", "w_out", w_out, w_out_scale_inv)
+    return _kernel("routed_experts_fp8", x)(x, weights, expert_ids, w_in, w_in_scale_inv, b_in, w_out,
+                                            w_out_scale_inv, b_out, activation, gated)
+
+
+@routed_experts_fp8.register_fake
+def _(x, weights, expert_ids, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out, activation, gated):
+    return x.new_empty(*expert_ids.shape, w_out.shape[1], dtype=torch.promote_types(x.dtype, torch.float32))
+
+
+@torch.library.custom_op("moecompile::linear_fp8", mutates_args=())
+def linear_fp8(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, bias: Optional[Tensor]) -> Tensor:
+    _check_fp8_weight("linear_fp8", "weight", weight, weight_scale_inv)
+    return _kernel("linear_fp8", x)(x, weight, weight_scale_inv, bias)
+
+
+@linear_fp8.register_fake
+def _(x, weight, weight_scale_inv, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 def _no_backward(op_name: str):
     def backward(ctx, *grads):
-        raise MoECompileError(f"moecompile::{op_name} is inference-only (FP8 experts have no backward): run the "
+        raise MoECompileError(f"moecompile::{op_name} is inference-only (the FP8 ops have no backward): run the "
                               "model under torch.no_grad(), or moecompile.ir.fp8.dequantize(model) to train it")
     return backward
 
 
 quantize_fp8.register_autograd(_no_backward("quantize_fp8"), setup_context=lambda ctx, inputs, output: None)
 experts_fp8.register_autograd(_no_backward("experts_fp8"), setup_context=lambda ctx, inputs, output: None)
+routed_experts_fp8.register_autograd(_no_backward("routed_experts_fp8"), setup_context=lambda ctx, inputs, output: None)
+linear_fp8.register_autograd(_no_backward("linear_fp8"), setup_context=lambda ctx, inputs, output: None)
 
 
 # ---- autocast: the expert GEMMs run in the autocast dtype (their float inputs cast, as autocast casts a linear's);
@@ -458,7 +500,9 @@ _register_autocast("experts", cast=(0, 2, 3, 4, 5))  # x, w_in, b_in, w_out, b_o
 _register_autocast("experts_train", cast=(0, 2, 3, 4, 5))
 _register_autocast("quantize_fp8", cast=())
 _register_autocast("experts_fp8", cast=())
+_register_autocast("routed_experts_fp8", cast=())
+_register_autocast("linear_fp8", cast=())
 
 MOE_OPS = (route, dispatch, experts, combine)
 FUSED_OPS = (route_grouped, route_dispatch)
-FP8_OPS = (quantize_fp8, experts_fp8)
+FP8_OPS = (quantize_fp8, experts_fp8, routed_experts_fp8, linear_fp8)
