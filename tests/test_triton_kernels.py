@@ -136,7 +136,25 @@ def test_cuda_kernel_choice_follows_the_measurements(monkeypatch):
     assert kernels(8192, 4096, 14336, 8) == ("triton_persistent", "triton_persistent")  # Mixtral, batch
     assert kernels(128, 4096, 14336, 8) == ("triton_decode", "triton_decode")  # Mixtral, decode
     assert kernels(65536, 2048, 1408, 60) == ("triton_persistent", "triton_persistent")  # Qwen2-MoE, batch
+    assert kernels(65536, 2048, 768, 128) == ("quack", "quack")  # Qwen3-MoE, batch (Triton where QuACK is missing)
     assert kernels(4096, 1000, 500, 8) == ("triton_persistent", "triton_persistent")  # unmeasured, batch
     assert kernels(64, 1000, 500, 8) == ("triton_decode", "triton_decode")  # unmeasured, decode
     monkeypatch.setattr(C, "FFN_OUT", "triton")
     assert kernels(64, 1000, 500, 8) == ("triton_decode", "triton")  # an explicit choice wins
+
+
+def test_quack_tile_configurations_are_data_of_known_fields():
+    """Every tuned QuACK configuration names GemmConfig's fields, so the GPU path can build one from it; a GEMM not
+    in the table gets None (QuACK's default)."""
+    from moecompile.runtime import choices as C
+
+    fields = {"tile_m", "tile_n", "pingpong", "is_dynamic_persistent", "cluster_m", "cluster_n", "swap_ab",
+              "max_swizzle_size", "device_capacity", "use_tma_gather"}
+    table = C._quack_table()
+    assert table, "kernels/configs/quack_gemm.json holds no tuned configuration"
+    for key, config in table.items():
+        projection, k, n, *rest = key.split(",")
+        assert C.quack_config(projection, int(k[2:]), int(n[2:]), gathered=rest == ["gathered"]) == config
+        assert set(config) <= fields and config["tile_m"] % 64 == 0 and config["tile_n"] % 16 == 0
+    assert C.quack_config("second", 768, 2048) is not None  # Qwen3-MoE's second projection was tuned
+    assert C.quack_config("first", 3, 5) is None
