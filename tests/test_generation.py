@@ -50,8 +50,10 @@ def test_decode_step_on_direct_experts_matches_hf(family, monkeypatch):
     assert torch.equal(got, _hf_greedy(model, ids))
 
 
-@pytest.mark.parametrize("family", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
-def test_matrix_vector_decode_only_at_one_token(family):
+@pytest.mark.parametrize("family,cases", [
+    ("tiny-qwen3-moe", [(1, {}, True), (2, {}, False), (1, {"decode_matvec": False}, False)]),
+    ("tiny-deepseek-v3", [(1, {}, True)])])  # (the batch and option cases are the same decision for every family)
+def test_matrix_vector_decode_only_at_one_token(family, cases):
     """decode_matvec decides on the graph: the batch-1 decode step (its linears read one row, but DeepSeek-V3's
     kv_b_proj, which reads the cache) is compiled with matrix-vector reductions; its prefill (a 6-token prompt), a
     batch-2 step and the option turned off are not."""
@@ -59,7 +61,7 @@ def test_matrix_vector_decode_only_at_one_token(family):
 
     model = tiny_moe(family)
     model.generation_config.eos_token_id = None
-    for batch, options, step_matvec in [(1, {}, True), (2, {}, False), (1, {"decode_matvec": False}, False)]:
+    for batch, options, step_matvec in cases:
         backend.clear_records()
         generate(model, token_ids(batch=batch, length=6), 2, options={"inductor": False, **options})
         prefill, step = backend.records()
