@@ -9,8 +9,8 @@ Every layer is SwiGLU, bf16, dropless, renormalised softmax top-k, the same weig
 - GEMMs <kernel>: the two expert GEMMs alone on the layer's real routing (rows already in expert order).
 - ours <first>+<second>: the whole moecompile layer (MoEBlock: router, top-k, dispatch, GEMMs, combine) with
   those expert GEMM kernels, from a CUDA graph; and eager (as SonicMoE runs).
-- ours gathered quack: route + a rank-only dispatch (no row copy) + QuACK's first projection gathering its rows from
-  the token matrix + QuACK's second + moecompile's combine, from a CUDA graph.
+- ours gathered quack (--gathered): route + a rank-only dispatch (no row copy) + QuACK's first projection gathering
+  its rows from the token matrix + QuACK's second + moecompile's combine, from a CUDA graph.
 - SonicMoE: its MoE module (CuTe DSL through QuACK), eager, inference mode; fwd+bwd in training mode.
 - vLLM: its fused_moe Triton kernel (bench/peers/vllm_fused_moe.py; carry .peers/), GEMMs alone and layer.
 Training (forward + backward): ours (MoEBlock autograd) / HF grouped_mm (MixtralSparseMoeBlock) / SonicMoE, eager.
@@ -56,13 +56,17 @@ def graph_bench(fn) -> float:
 
 
 def attempt(label, fn, notes):
-    """fn() or None; a failing peer or variant is noted with its error instead of ending the run."""
+    """fn() or None; a failing peer or variant is noted with its error instead of ending the run. Prints how long
+    it took (the first call of a kernel compiles: a device call's time goes there)."""
+    start = time.time()
     try:
         return fn()
     except Exception as e:  # a peer that cannot run here is a row of the table, not a crash
         notes.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
         traceback.print_exc()
         return None
+    finally:
+        print(f"  {label}: {time.time() - start:.0f} s", flush=True)
 
 
 def dense_time(d, f, rows):
@@ -139,7 +143,7 @@ def sonic_module(ours, d, f, e, k):
     return sonic
 
 
-def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm):
+def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gathered):
     from moecompile.runtime import choices
 
     ours, hf = moe_layer.build(d, f, e, k)
@@ -159,7 +163,7 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm):
             r[f"ours {kernel}"] = attempt(f"ours {kernel} graph", lambda: graph_bench(lambda: ours(x)), notes)
         r["ours auto eager"] = attempt("ours auto eager", lambda: bench(lambda: ours(x)), notes)
         choices.FFN_IN = choices.FFN_OUT = "auto"
-        for label, interleaved in (("gathered", False), ("gathered interleaved", True)):
+        for label, interleaved in (("gathered", False), ("gathered interleaved", True)) if gathered else ():
             g = attempt(f"ours {label} quack", lambda: gathered_quack(ours, x2, k, interleaved), notes)
             if g is not None:
                 r[f"ours {label} quack"], errs[label] = g[0], moe_layer.rel(g[1], ref)
@@ -169,7 +173,8 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm):
             so = attempt("SonicMoE forward", lambda: sonic(x, is_inference_mode=True)[0], notes)
             if so is not None:
                 errs["sonic"] = moe_layer.rel(so.reshape(x2.shape), ref)
-                r["sonic"] = bench(lambda: sonic(x, is_inference_mode=True))
+                r["sonic"] = attempt("SonicMoE timing", lambda: bench(lambda: sonic(x, is_inference_mode=True)),
+                                     notes)
         if vllm:
             from peers import vllm_fused_moe as vp
 
@@ -239,6 +244,8 @@ def main(argv=None):
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--vllm", action="store_true", help="vLLM's fused_moe as a peer (carry .peers/)")
     p.add_argument("--commit", default=None, help="the commit for the header where git is absent")
+    p.add_argument("--gathered", action="store_true",
+                   help="also the layer with QuACK's first projection gathering token rows (measured slower)")
     a = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     start = time.time()
@@ -288,7 +295,7 @@ def main(argv=None):
 
     for name in a.shapes.split(","):
         shape_start = time.time()
-        run_shape(name, *SHAPES[name], out_lines, train_lines, notes, a.vllm)
+        run_shape(name, *SHAPES[name], out_lines, train_lines, notes, a.vllm, a.gathered)
         print(f"{name}: {time.time() - shape_start:.0f} s", flush=True)
         write()
     print("\n".join(write()))

@@ -16,7 +16,9 @@ shift || true
 if [ -f .whlx/libs.tar.xz ] && [ ! -d /tmp/site/nvidia_cutlass_dsl ]; then  # QuACK's CuTe DSL runtime (one call's
   mkdir -p /tmp/site && tar -C /tmp/site -xJf .whlx/libs.tar.xz              # size limit: carried repacked as tar.xz)
 fi
-export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-16} QUACK_CACHE_AUTOTUNING=1
+# QuACK compiles its autotuning candidates in parallel; its on-disk autotuning results stay off: their key does not
+# tell weight layouts apart, so one caller's tuning (bench/tune_quack.py's) would be served to another (SonicMoE)
+export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-16}
 installed=/tmp/moecompile-installed  # several checks in one call install once
 if ls .whl/*.whl > /dev/null 2>&1; then  # wheels the machine lacks (nvidia-cutlass: the CUTLASS FP8 headers; QuACK)
   [ -f $installed ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
