@@ -76,10 +76,10 @@ def absorbed_forward(attention, hidden_states: torch.Tensor, position_embeddings
     """DeepseekV3Attention.forward's result (output, None) computed in the latent space; HF's own forward where
     the query is long (`absorbs`)."""
     batch, tokens = hidden_states.shape[:-1]
+    cache = cache if cache is not None else past_key_values  # transformers renamed it
     if not absorbs(attention, tokens):
-        return type(attention).forward(attention, hidden_states, position_embeddings, attention_mask,
-                                       cache=cache if cache is not None else past_key_values, **kwargs)
-    cache = cache if cache is not None else past_key_values
+        return type(attention).forward(attention, hidden_states, position_embeddings, attention_mask, cache=cache,
+                                       **kwargs)
     heads, rank, nope, rope = (attention.num_heads, attention.kv_lora_rank, attention.qk_nope_head_dim,
                                attention.qk_rope_head_dim)
     hf = _hf_module()
