@@ -21,10 +21,12 @@ Floor: the bytes one decode step must read, at the copy bandwidth measured in th
 except the embedding table, of which one row per sequence; expert tensors weighted by the expected fraction of experts
 the batch hits under uniform routing, 1 - (1 - k/E)^batch; FP8 tensors at one byte per element plus a float32 scale
 per 128 x 128 block. Cache: the keys and values of every layer over the mean cache length of the timed steps (a
-sliding-window layer only its window). Correctness: cosine of the first compiled step's logits with HF eager's (for
-hf-inductor / hf-moecompile the second step: HF runs the prompt eagerly), and the greedy tokens that agree with HF
-eager's before the first difference (bf16 near-ties may diverge later). A model, batch or mode whose weights, FP8
-copies and cache do not fit the card is a row "does not fit", estimated from the config before anything is built.
+sliding-window layer only its window; DeepSeek-V3's latent attention as each mode reads it: the moecompile modes
+absorbed, the latent and rope key per token, the HF modes every head's keys and values). Correctness: cosine of the
+first compiled step's logits with HF eager's (for hf-inductor / hf-moecompile the second step: HF runs the prompt
+eagerly), and the greedy tokens that agree with HF eager's before the first difference (bf16 near-ties may diverge
+later). A model, batch or mode whose weights, FP8 copies and cache do not fit the card is a row "does not fit",
+estimated from the config before anything is built.
 
   python bench/generate.py --out bench/results/gpu-generate.md                      # a slice of each model
   python bench/generate.py --full --fp8 --batches 1,16,64 --modes hf-inductor,moecompile  # every layer, FP8 vs bf16
@@ -199,20 +201,25 @@ def resident_bytes(shapes: dict, itemsize: int, fp8: frozenset[str] = frozenset(
     return sum(math.prod(s) * itemsize + (FP8_COPIES * fp8_bytes(s) if p in fp8 else 0) for p, s in shapes.items())
 
 
-def kv_widths(config) -> tuple[int, int, int, int]:
-    """(query heads, key/value heads, key width, value width) of the cache a layer keeps; MLA as HF caches it today:
-    the whole keys and values of every head."""
+def kv_widths(config, absorbed: bool = False) -> tuple[int, int, int, int]:
+    """(query heads, key/value heads, key width, value width) of the cache a layer's step reads; MLA as HF's
+    attention reads it (the whole keys and values of every head, expanded from the latents), or `absorbed` as
+    moecompile's generation reads it: one latent of kv_lora_rank and the rope key per token."""
     heads = config.num_attention_heads
     if getattr(config, "kv_lora_rank", None):
+        if absorbed:
+            return heads, 1, config.kv_lora_rank, config.qk_rope_head_dim
         return heads, heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return heads, config.num_key_value_heads, head_dim, head_dim
 
 
-def cache_bytes(config, batch: int, length: float, itemsize: int, windows: bool = True) -> float:
+def cache_bytes(config, batch: int, length: float, itemsize: int, windows: bool = True,
+                absorbed: bool = False) -> float:
     """Key and value bytes of every layer over `length` positions; with `windows`, a sliding-window layer's only
-    over its window (what it must read; the static cache moecompile allocates keeps every layer full length)."""
-    _, kv, key, val = kv_widths(config)
+    over its window (what it must read; the static cache moecompile allocates keeps every layer full length);
+    `absorbed`: MLA's latent cache (kv_widths)."""
+    _, kv, key, val = kv_widths(config, absorbed)
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     positions = sum(min(length, window) if windows and window and t == "sliding_attention" else length
@@ -336,6 +343,11 @@ def profile_step(gen: Generator, ids, sampling: Sampling | None = None, steps: i
     for e in kernels[:14]:
         lines.append(f"  {e.self_device_time_total / steps / 1e3:.3f}  x{e.count // steps}  {e.key[:100]}")
     return "\n".join(lines)
+
+
+def absorbs(mode: str) -> bool:
+    """Whether the mode decodes with moecompile's Generator, whose default absorbs DeepSeek-V3's latent attention."""
+    return mode in GENERATOR_OPTIONS or mode == "hf-custom-generate"
 
 
 def generator_options(mode: str, inductor: bool) -> dict | None:
@@ -518,7 +530,6 @@ def main(argv=None) -> int:
         for batch in batches:
             ids = torch.randint(0, config.vocab_size, (batch, args.context),
                                 generator=torch.Generator().manual_seed(batch)).to(device)
-            cache_floor = cache_bytes(config, batch, args.context + args.new / 2, itemsize) / bandwidth
             reference, bf16 = None, None
             for mode in modes:
                 if not fits[mode, batch]:
@@ -529,6 +540,8 @@ def main(argv=None) -> int:
                     continue
                 weights_floor = weight_bytes(shapes, config, batch, itemsize,
                                              fp8 if mode == FP8_MODE else frozenset()) / bandwidth
+                cache_floor = cache_bytes(config, batch, args.context + args.new / 2, itemsize,
+                                          absorbed=absorbs(mode)) / bandwidth
                 floor, versus = weights_floor + cache_floor, ""
                 try:
                     if mode in GENERATOR_OPTIONS:

@@ -10,7 +10,8 @@ buffers - is one compiled function, captured once as a CUDA graph and replayed w
 token. The host reads tokens once at the end, or once per chunk of tokens when it streams them or watches for the
 end of sequence. On CPU the same compiled step runs in a Python loop. The key/value cache is HF's StaticCache;
 sliding-window layers get full-length cache layers (the model's own masks keep the window), so every step is the
-same graph.
+same graph. DeepSeek-V3's latent attention runs absorbed (moecompile.integrations.mla): the step attends over the
+cached latents without expanding them into per-head keys and values.
 
 `Generator` keeps the compiled functions, the cache and the captured graphs for one batch size and cache length;
 `generate` keeps one Generator per model and shape and takes HF's GenerationConfig.
@@ -25,6 +26,7 @@ import weakref
 import torch
 
 from moecompile.core.errors import MoECompileError
+from moecompile.integrations import mla
 from moecompile.runtime import graphs
 
 WARMUP_STEPS = 2  # uncaptured runs of the step before capture: autotuning and allocations happen outside it
@@ -157,10 +159,12 @@ class Generator:
     cuda_graph: capture the decode step as one CUDA graph (default: when the model is on a CUDA device); one graph
     per kind of call (padded prompts or not, greedy or the sampling filters used, stopping at end of sequence or not).
     options: moecompile backend options (see moecompile.backend.OPTIONS).
+    absorb_mla: DeepSeek-V3 latent attention with kv_b_proj folded into the query and output (None: where the model
+    has it; False: HF's attention, which expands the cached latents into every head's keys and values per step).
     """
 
     def __init__(self, model, batch_size: int, max_length: int, *, compile: bool = True,
-                 cuda_graph: bool | None = None, options: dict | None = None):
+                 cuda_graph: bool | None = None, options: dict | None = None, absorb_mla: bool | None = None):
         from moecompile.backend import moecompile_backend, resolve_options
 
         if batch_size < 1 or max_length < 2:
@@ -172,6 +176,7 @@ class Generator:
         if self.cuda_graph and self.device.type != "cuda":
             raise MoECompileError("cuda_graph=True needs the model on a CUDA device")
         self.cache = static_cache(model, max_length)
+        self.absorbed = mla.resolve(model, absorb_mla)  # the attention modules whose forward runs absorbed
         accepted = inspect.signature(model.forward).parameters
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
         self._cache_arg = "cache" if "cache" in accepted else "past_key_values"  # transformers renamed it
@@ -210,14 +215,13 @@ class Generator:
     def _initialise_cache(self) -> int:
         """HF's cache allocates its tensors on first use: do that eagerly, not inside a compiled function. Returns
         the vocabulary size of the logits."""
-        vocab = self._forward(self.tokens, self.positions, None).shape[-1]
+        with mla.absorbed(self.absorbed):
+            vocab = self._forward(self.tokens, self.positions, None).shape[-1]
         self.cache.reset()
         return vocab
 
     def _run(self, fn, *args):
-        if not self._compiled:
-            return fn(*args)
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with mla.absorbed(self.absorbed), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             return fn(*args)
 
     def _forward(self, input_ids, position_ids, attention_mask):
@@ -431,7 +435,7 @@ _generators: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, *, attention_mask=None,
              generation_config=None, streamer=None, seed: int | None = None, read_every: int = READ_EVERY,
              compile: bool = True, cuda_graph: bool | None = None, options: dict | None = None,
-             **kwargs) -> torch.Tensor:
+             absorb_mla: bool | None = None, **kwargs) -> torch.Tensor:
     """[batch, prompt + new tokens] as HF's `model.generate(input_ids, generation_config=..., **kwargs)` returns it.
 
     generation_config and kwargs are HF's (max_new_tokens, do_sample, temperature, top_k, top_p, min_p,
@@ -439,7 +443,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
     unset); fields that would change the tokens and that are not implemented are refused. seed makes sampling
     reproducible (None: drawn from torch's global generator, so torch.manual_seed does too). streamer: HF's
     BaseStreamer (put, end), given the prompt, then the new tokens as [batch, n] blocks every read_every tokens.
-    The compiled functions and the captured graphs are kept per model, batch size, length and options, so later
+    absorb_mla: Generator's (DeepSeek-V3's latent attention absorbed where the model has it). The compiled
+    functions and the captured graphs are kept per model, batch size, length and options, so later
     calls with the same shapes start decoding at once."""
     config = generation_settings(model, generation_config, **kwargs)
     batch, length = input_ids.shape
@@ -448,11 +453,11 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
     if max_new_tokens < 1:
         raise MoECompileError(f"max_new_tokens must be >= 1, got {max_new_tokens} (max_length {config.max_length} "
                               f"and a {length}-token prompt)")
-    key = (batch, length + max_new_tokens, compile, cuda_graph, repr(sorted((options or {}).items())))
+    key = (batch, length + max_new_tokens, compile, cuda_graph, repr(sorted((options or {}).items())), absorb_mla)
     per_model = _generators.setdefault(model, {})
     if key not in per_model:
         per_model[key] = Generator(model, batch, length + max_new_tokens, compile=compile, cuda_graph=cuda_graph,
-                                   options=options)
+                                   options=options, absorb_mla=absorb_mla)
     return per_model[key](input_ids, max_new_tokens, attention_mask, sampling=sampling_of(config, seed),
                           eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, streamer=streamer,
                           read_every=read_every)
@@ -466,15 +471,15 @@ HF_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarpe
 def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
                     generation_config=None, *, seed: int | None = None, read_every: int = READ_EVERY,
                     compile: bool = True, cuda_graph: bool | None = None, options: dict | None = None,
-                    **model_kwargs) -> torch.Tensor:
+                    absorb_mla: bool | None = None, **model_kwargs) -> torch.Tensor:
     """moecompile.generate's loop behind HF's own generate:
 
         model.generate(input_ids, custom_generate=moecompile.generation.custom_generate, max_new_tokens=64, ...)
 
     HF prepares the GenerationConfig, its logits processors and stopping criteria, then calls this in place of its
-    decoding loop; seed, read_every, compile, cuda_graph and options pass through HF's keyword arguments. Logits
-    processors or stopping criteria beyond those the GenerationConfig makes, and a cache of the caller's, are
-    refused. HF keeps the streamer from custom_generate callables (it gets the prompt only): stream with
+    decoding loop; seed, read_every, compile, cuda_graph, options and absorb_mla pass through HF's keyword
+    arguments. Logits processors or stopping criteria beyond those the GenerationConfig makes, and a cache of the
+    caller's, are refused. HF keeps the streamer from custom_generate callables (it gets the prompt only): stream with
     moecompile.generate."""
     others = sorted({type(p).__name__ for p in [*(logits_processor or ()), *(stopping_criteria or ())]}
                     - set(HF_PROCESSORS))
@@ -486,4 +491,5 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopp
         raise MoECompileError("custom_generate keeps its own cache: generate without past_key_values / cache")
     return generate(model, input_ids, generation_config.max_length - input_ids.shape[1],
                     attention_mask=model_kwargs.get("attention_mask"), generation_config=generation_config,
-                    seed=seed, read_every=read_every, compile=compile, cuda_graph=cuda_graph, options=options)
+                    seed=seed, read_every=read_every, compile=compile, cuda_graph=cuda_graph, options=options,
+                    absorb_mla=absorb_mla)
