@@ -21,8 +21,9 @@ Floor: the bytes one decode step must read, at the copy bandwidth measured in th
 except the embedding table, of which one row per sequence; expert tensors weighted by the expected fraction of experts
 the batch hits under uniform routing, 1 - (1 - k/E)^batch; FP8 tensors at one byte per element plus a float32 scale
 per 128 x 128 block. Cache: the keys and values of every layer over the mean cache length of the timed steps (a
-sliding-window layer only its window; DeepSeek-V3's latent attention as each mode reads it: the moecompile modes
-absorbed, the latent and rope key per token, the HF modes every head's keys and values). Correctness: cosine of the
+sliding-window layer only its window; DeepSeek-V3's cache is its latent and rope key per token, as transformers stores
+it: HF's attention expands it into every head's keys and values at each step, moecompile's absorbed attention reads it
+as it is). Correctness: cosine of the
 first compiled step's logits with HF eager's (for hf-inductor / hf-moecompile the second step: HF runs the prompt
 eagerly), and the greedy tokens that agree with HF eager's before the first difference (bf16 near-ties may diverge
 later). A model, batch or mode whose weights, FP8 copies and cache do not fit the card is a row "does not fit",
@@ -214,12 +215,11 @@ def kv_widths(config, absorbed: bool = False) -> tuple[int, int, int, int]:
     return heads, config.num_key_value_heads, head_dim, head_dim
 
 
-def cache_bytes(config, batch: int, length: float, itemsize: int, windows: bool = True,
-                absorbed: bool = False) -> float:
+def cache_bytes(config, batch: int, length: float, itemsize: int, windows: bool = True) -> float:
     """Key and value bytes of every layer over `length` positions; with `windows`, a sliding-window layer's only
-    over its window (what it must read; the static cache moecompile allocates keeps every layer full length);
-    `absorbed`: MLA's latent cache (kv_widths)."""
-    _, kv, key, val = kv_widths(config, absorbed)
+    over its window (what it must read; the static cache moecompile allocates keeps every layer full length). MLA's
+    cache holds the latent and the rope key (kv_widths absorbed), in transformers' cache as in moecompile's."""
+    _, kv, key, val = kv_widths(config, absorbed=True)
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     positions = sum(min(length, window) if windows and window and t == "sliding_attention" else length
@@ -343,11 +343,6 @@ def profile_step(gen: Generator, ids, sampling: Sampling | None = None, steps: i
     for e in kernels[:14]:
         lines.append(f"  {e.self_device_time_total / steps / 1e3:.3f}  x{e.count // steps}  {e.key[:100]}")
     return "\n".join(lines)
-
-
-def absorbs(mode: str) -> bool:
-    """Whether the mode decodes with moecompile's Generator, whose default absorbs DeepSeek-V3's latent attention."""
-    return mode in GENERATOR_OPTIONS or mode == "hf-custom-generate"
 
 
 def generator_options(mode: str, inductor: bool) -> dict | None:
@@ -540,8 +535,7 @@ def main(argv=None) -> int:
                     continue
                 weights_floor = weight_bytes(shapes, config, batch, itemsize,
                                              fp8 if mode == FP8_MODE else frozenset()) / bandwidth
-                cache_floor = cache_bytes(config, batch, args.context + args.new / 2, itemsize,
-                                          absorbed=absorbs(mode)) / bandwidth
+                cache_floor = cache_bytes(config, batch, args.context + args.new / 2, itemsize) / bandwidth
                 floor, versus = weights_floor + cache_floor, ""
                 try:
                     if mode in GENERATOR_OPTIONS:

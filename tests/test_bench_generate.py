@@ -34,11 +34,10 @@ def test_full_sizes_and_cache_floor(bench):
     assert bench.cache_bytes(config, 64, 4096, 2) == 48 * 2 * 4 * 128 * 4096 * 64 * 2
     deepseek = bench.make_config("deepseek-v3", tiny=False, full=True)
     assert (deepseek.num_hidden_layers, deepseek.first_k_dense_replace) == (61, 3)
-    # MLA as HF caches it: per head keys of qk_nope + qk_rope, values of v_head_dim
-    assert bench.cache_bytes(deepseek, 2, 100, 2) == 61 * 128 * (128 + 64 + 128) * 100 * 2 * 2
-    # absorbed, as the moecompile modes read it: the latent of kv_lora_rank and the rope key per token
-    assert bench.cache_bytes(deepseek, 2, 100, 2, absorbed=True) == 61 * (512 + 64) * 100 * 2 * 2
-    assert bench.absorbs("moecompile") and bench.absorbs("moecompile-fp8") and not bench.absorbs("hf-moecompile")
+    # MLA's cache (transformers' and moecompile's alike): the latent of kv_lora_rank and the rope key per token
+    assert bench.cache_bytes(deepseek, 2, 100, 2) == 61 * (512 + 64) * 100 * 2 * 2
+    # what HF's attention expands it into at each step: every head's keys and values
+    assert bench.kv_widths(deepseek) == (128, 128, 128 + 64, 128)
     oss = bench.make_config("gpt-oss-20b", tiny=False, full=True)  # half its layers see a 128-token window
     assert bench.cache_bytes(oss, 1, 4096, 2) == 12 * (4096 + 128) * 2 * 8 * 64 * 2
     assert bench.cache_bytes(oss, 1, 4096, 2, windows=False) == 24 * 4096 * 2 * 8 * 64 * 2
