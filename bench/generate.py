@@ -101,8 +101,6 @@ GENERATOR_OPTIONS = {"moecompile": {}, FP8_MODE: {"fp8": True}, "moecompile-unfu
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 ROUTER_SUFFIXES = (".gate.weight", ".router.weight", "shared_expert_gate.weight")  # linears FP8 leaves in bf16
 FP8_BLOCK = 128
-# the FP8 copies the backend keeps beside the bf16 parameters: the prefill's graph and the decode step's each quantise
-FP8_COPIES = 2
 FP8_LINEARS = "fp8_linears" in OPTIONS  # the backend's FP8 one-row linears, where it has them
 PROBE_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 HEADROOM = 4 * 2 ** 30  # bytes beyond weights and cache a run needs (activations, logits, workspaces)
@@ -198,8 +196,9 @@ def weight_bytes(shapes: dict, config, batch: int, itemsize: int, fp8: frozenset
 
 
 def resident_bytes(shapes: dict, itemsize: int, fp8: frozenset[str] = frozenset()) -> int:
-    """Device memory of the parameters, with the backend's FP8 copies of those in `fp8`."""
-    return sum(math.prod(s) * itemsize + (FP8_COPIES * fp8_bytes(s) if p in fp8 else 0) for p, s in shapes.items())
+    """Device memory of the parameters, with the backend's FP8 copy of those in `fp8` (one per weight, shared by the
+    prefill and decode graphs)."""
+    return sum(math.prod(s) * itemsize + (fp8_bytes(s) if p in fp8 else 0) for p, s in shapes.items())
 
 
 def kv_widths(config, absorbed: bool = False) -> tuple[int, int, int, int]:
