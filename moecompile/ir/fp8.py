@@ -51,6 +51,19 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def routed_fp8(x, expert_ids, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out, activation: str,
+               gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts' rows [T * k, H], order) of tokens x [T, H] routed to expert_ids [T, k] over FP8 expert weights, with
+    FP8 dispatch: the T tokens are quantised before the dispatch (MoEExpertsFP8.routed, HF's FineGrainedFP8 experts
+    in moecompile.integrations.finegrained_fp8)."""
+    tokens_fp8, tokens_scale_inv = ops.quantize_fp8(x, ACT_GROUP)
+    rows, order, offsets = ops.dispatch(tokens_fp8, expert_ids, w_in.shape[0])
+    rows_scale_inv = tokens_scale_inv.index_select(0, order // expert_ids.shape[-1])
+    y = ops.experts_fp8(rows, rows_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out,
+                        activation, gated, _out_dtype(x))
+    return y, order
+
+
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
     """The experts' output dtype: autocast's when it is on (as for the unquantised experts), else the input's."""
     device = x.device.type
@@ -105,10 +118,8 @@ class MoEExpertsFP8(nn.Module):
         """MoEExperts.routed with FP8 dispatch: the T tokens are quantised before the dispatch instead of its T * k
         rows after it (the same numbers: the scales are per row), so the dispatch moves one byte per value instead
         of two and each row's scales are gathered beside it."""
-        tokens_fp8, tokens_scale_inv = ops.quantize_fp8(x, ACT_GROUP)
-        rows, order, offsets = ops.dispatch(tokens_fp8, expert_ids, self.w_in.shape[0])
-        rows_scale_inv = tokens_scale_inv.index_select(0, order // expert_ids.shape[-1])
-        return self._experts_fp8(rows, rows_scale_inv, offsets, activation, gated, _out_dtype(x)), order
+        return routed_fp8(x, expert_ids, self.w_in, self.w_in_scale_inv, self.b_in, self.w_out, self.w_out_scale_inv,
+                          self.b_out, activation, gated)
 
     def _experts_fp8(self, x_fp8, x_scale_inv, offsets, activation: str, gated: bool, out_dtype: torch.dtype):
         return ops.experts_fp8(x_fp8, x_scale_inv, offsets, self.w_in, self.w_in_scale_inv, self.b_in, self.w_out,
