@@ -232,8 +232,13 @@ def compile(model, *, fullgraph: bool = False, dynamic: bool | None = None, **op
     """torch.compile(model, backend="moecompile", options=options), without going through the entry point.
 
     Options (see OPTIONS): inductor, mode, inductor_config, fuse, direct_experts, fuse_projections, gqa_attention,
-    decode_matvec, capacity_factor, print_graph, fp8, fp8_linears, expert_parallel."""
+    decode_matvec, capacity_factor, print_graph, fp8, fp8_linears, expert_parallel. A Hugging Face FineGrainedFP8
+    model's FP8 modules are first put on moecompile's FP8 ops (moecompile.integrations.finegrained_fp8.enable)."""
+    from moecompile.integrations import finegrained_fp8
+
     options = {**recorded_options(model), **options}
     resolve_options(options)  # fail here, not at the first call
+    if isinstance(model, torch.nn.Module):
+        finegrained_fp8.enable(model)
     return torch.compile(model, backend=moecompile_backend, fullgraph=fullgraph, dynamic=dynamic,
                          options=options or None)

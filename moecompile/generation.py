@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from moecompile.core.errors import MoECompileError
-from moecompile.integrations import mla
+from moecompile.integrations import finegrained_fp8, mla
 from moecompile.runtime import graphs
 
 WARMUP_STEPS = 2  # uncaptured runs of the step before capture: autotuning and allocations happen outside it
@@ -175,6 +175,7 @@ class Generator:
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         if self.cuda_graph and self.device.type != "cuda":
             raise MoECompileError("cuda_graph=True needs the model on a CUDA device")
+        finegrained_fp8.enable(model)  # a FineGrainedFP8 model's FP8 modules on moecompile's ops (no Hub kernel)
         self.cache = static_cache(model, max_length)
         self.absorbed = mla.resolve(model, absorb_mla)  # the attention modules whose forward runs absorbed
         accepted = inspect.signature(model.forward).parameters

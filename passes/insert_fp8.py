@@ -243,7 +243,9 @@ def _replace(gm: fx.GraphModule, node: fx.Node, new: fx.Node, before: set) -> No
 
 def insert_fp8(gm: fx.GraphModule, ctx) -> dict:
     """Pass: FP8 experts (ctx.options["fp8"]); see the module docstring."""
-    if not ctx.options.get("fp8"):
+    quantise = bool(ctx.options.get("fp8"))
+    stored = ctx.fp8_scales  # expert weights already in FP8 -> their scales (recognise_moe)
+    if not quantise and not stored:
         return {"rewritten": [], "skipped": []}
     rewritten, skipped = [], []
     for node in list(gm.graph.nodes):
@@ -252,17 +254,22 @@ def insert_fp8(gm: fx.GraphModule, ctx) -> dict:
         a = op_args(node)
         w_in, b_in, w_out, b_out = (a[k] for k in ("w_in", "b_in", "w_out", "b_out"))
         activation, gated = a["activation"], a["gated"]
-        if a["interleaved"]:  # GPT-OSS interleaved gate/up: no FP8 kernel for it
+        as_stored = w_in in stored and w_out in stored
+        if a["interleaved"] or not (quantise or as_stored):  # GPT-OSS interleaved gate/up: no FP8 kernel for it
             continue
-        why = _unsupported(gm, [w_in, w_out])
+        why = None if as_stored else _unsupported(gm, [w_in, w_out])
         if why:
             skipped.append(f"{node.name}: {why}")
             continue
         val = value(node)
         out_dtype = val.dtype if val is not None else _dtype(gm, w_in)  # experts' output: x's dtype
         before = set(gm.graph.nodes)
-        q_in, s_in, q_out, s_out = _quantized_expert_weights(gm, ctx, node, w_in, w_out)
-        where = "quantised in the graph" if q_in.op == "call_function" else "constants"
+        if as_stored:
+            q_in, s_in, q_out, s_out = w_in, stored[w_in], w_out, stored[w_out]
+            where = "the model's own, as stored"
+        else:
+            q_in, s_in, q_out, s_out = _quantized_expert_weights(gm, ctx, node, w_in, w_out)
+            where = "quantised in the graph" if q_in.op == "call_function" else "constants"
         weights = dict(w_in=q_in, w_in_scale_inv=s_in, b_in=b_in, w_out=q_out, w_out_scale_inv=s_out, b_out=b_out,
                        activation=activation, gated=gated)
         if node.target is ROUTED_EXPERTS:

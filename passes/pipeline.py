@@ -59,6 +59,9 @@ class PassContext:
     options: dict = field(default_factory=dict)
     ffns: list = field(default_factory=list)  # set by find_ffn
     moe_blocks: int = 0  # set by recognise_moe
+    # set by recognise_moe: expert weight node -> its scale_inv node, for experts stored in FP8 (a FineGrainedFP8
+    # model); insert_fp8 runs them on those tensors as they are, whatever the option fp8
+    fp8_scales: dict = field(default_factory=dict)
     reports: list[tuple[str, dict]] = field(default_factory=list)
     checked: str = "lint"  # "fake" when every pass was also fake-tensor propagated
     pipeline: str = "convert"  # which of PIPELINES runs (passes may emit different forms for each)
@@ -137,12 +140,12 @@ def _check(gm: fx.GraphModule, name: str, expected: list | None, before: str, me
         raise GraphCheckError(f"graph check after {name}: outputs changed from {expected} to {got}")
 
 
-def _disabled(p, options: dict) -> str | None:
+def _disabled(p, ctx: PassContext) -> str | None:
     """Why an option keeps pass p from running, or None."""
-    if p not in GATES:
+    if p not in GATES or (p is insert_fp8 and ctx.fp8_scales):
         return None
     option, default = GATES[p]
-    chosen = options.get(option, default)
+    chosen = ctx.options.get(option, default)
     return f"off (option {option}={chosen!r})" if chosen is None or chosen is False else None
 
 
@@ -160,7 +163,7 @@ def run_pipeline(gm: fx.GraphModule, options: dict | None = None, passes=None, p
     if verbose:
         print("=== graph before passes ===\n" + gm.graph.python_code("self").src)
     for p in PIPELINES[pipeline] if passes is None else passes:
-        why = _disabled(p, ctx.options)
+        why = _disabled(p, ctx)
         if why:
             ctx.reports.append((p.__name__, {"skipped": why}))
             if verbose:

@@ -165,11 +165,14 @@ def _evaluate_scope(nodes: list[fx.Node]):
 
 def _experts(experts: list[fx.Node], hidden_size: int) -> dict:
     """Expert weights (as graph nodes), layout and activation."""
-    existing = [n for n in experts if moe_op(n) == "experts"]
+    existing = [n for n in experts if moe_op(n) in ("experts", "experts_fp8")]
     if existing:  # the model already runs moecompile's experts (model.set_experts_implementation("moecompile"))
         args = op_args(existing[0])
-        return {k: args[k] for k in ("w_in", "b_in", "w_out", "b_out", "activation", "gated", "interleaved", "alpha",
-                                     "limit")} | {"transpose": False}
+        spec = {k: args.get(k, GLU.get(k)) for k in ("w_in", "b_in", "w_out", "b_out", "activation", "gated",
+                                                     "interleaved", "alpha", "limit")}
+        # FP8 experts (a FineGrainedFP8 model, moecompile.integrations.finegrained_fp8): weights stored in FP8
+        scales = {args[w]: args[f"{w}_scale_inv"] for w in ("w_in", "w_out") if f"{w}_scale_inv" in args}
+        return spec | {"transpose": False, "fp8_scales": scales}
     params = [a for a in _external_inputs(experts) if a.op in ("placeholder", "get_attr") and tensor(a) is not None]
     mats = [p for p in params if tensor(p).dim() == 3]
     vecs = [p for p in params if tensor(p).dim() == 2]
@@ -184,7 +187,7 @@ def _experts(experts: list[fx.Node], hidden_size: int) -> dict:
         raise NotRecognised(f"expert weights {tuple(gate_up)}, {tuple(down)} are not gate_up / down projections")
     interleaved = any(kind(n) == "getitem" and _steps_by_two(n.args[1]) for n in experts)
     spec = {"w_in": mats[0], "w_out": mats[1], "b_in": vecs[0] if vecs else None, "b_out": vecs[1] if vecs else None,
-            **GLU, "transpose": transpose, "gated": True, "interleaved": interleaved}
+            **GLU, "transpose": transpose, "gated": True, "interleaved": interleaved, "fp8_scales": {}}
     act_scope = _act_fn_nodes(experts)
     if act_scope:
         try:
@@ -238,7 +241,7 @@ def _hidden_input(router: list[fx.Node], experts: list[fx.Node]) -> fx.Node:
     return candidates[0]
 
 
-def _rewrite(gm: fx.GraphModule, path: str, block: dict) -> str:
+def _rewrite(gm: fx.GraphModule, ctx, path: str, block: dict) -> str:
     router, experts = block["router"], block["experts"]
     if not router or not experts:
         raise NotRecognised("router or experts missing from this graph (graph break inside the block?)")
@@ -269,6 +272,7 @@ def _rewrite(gm: fx.GraphModule, path: str, block: dict) -> str:
                     b_out=x["b_out"], **{k: x[k] for k in ("activation", "gated", "interleaved", "alpha", "limit")})
         combined = call(graph, MOE.combine.default, y, order, weights, meta=meta)
     out.replace_all_uses_with(combined)
+    ctx.fp8_scales.update(x["fp8_scales"])  # insert_fp8 runs these experts on the weights as stored
     keep = {r["logits"], hidden}  # the router linear stays; the rest of router and experts goes unless still used
     for node in reversed(router + experts):
         if node not in keep and not node.users:
@@ -288,6 +292,8 @@ def _rewrite(gm: fx.GraphModule, path: str, block: dict) -> str:
         desc.append("interleaved gate/up")
     if x["b_in"] is not None:
         desc.append("expert biases")
+    if x["fp8_scales"]:
+        desc.append("FP8 weights as stored")
     return f"{path}: {block['cls']} -> " + ", ".join(desc)
 
 
@@ -296,7 +302,7 @@ def recognise_moe(gm: fx.GraphModule, ctx) -> dict:
     recognised, rejected = [], []
     for path, block in find_blocks(gm).items():
         try:
-            recognised.append(_rewrite(gm, path, block))
+            recognised.append(_rewrite(gm, ctx, path, block))
         except NotRecognised as e:
             rejected.append(f"{path}: {block['cls']} left as is: {e}")
     ctx.moe_blocks = len(recognised)

@@ -95,3 +95,56 @@ def test_enable_runs_eagerly_on_moecompile_ops(family):
     with torch.no_grad():
         got, want = model(ids).logits, reference(ids).logits
     assert _cosine(got, want) >= 0.999
+
+
+def _ops(gm, name: str) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None)
+               == "moecompile" and n.target._opname == name)
+
+
+def _float_copies(gm, shapes: set) -> list[str]:
+    """Graph constants and node values in a non-FP8 float dtype with an expert weight's shape: a dequantised copy."""
+    tensors = [(name, t) for name, t in [*gm.named_parameters(), *gm.named_buffers()]]
+    tensors += [(n.name, n.meta.get("val")) for n in gm.graph.nodes]
+    return [name for name, t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()
+            and t.dtype != torch.float8_e4m3fn and any(list(t.shape) == list(s) for s in shapes)]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_backend_runs_the_stored_fp8_weights(family):
+    """Compiled with the backend, a native FP8 model runs moecompile's FP8 ops on the checkpoint's own FP8 tensors
+    (experts_fp8 over a prompt; routed_experts_fp8 for Qwen3-MoE's one token, a decode-sized block; linear_fp8 for
+    every FP8Linear; no dequantised copy of an expert weight) and matches the dequantised reference."""
+    model, reference = native_fp8(family)
+    compiled = moecompile.compile(model, **NO_INDUCTOR)  # enables the FP8 modules itself
+    shapes = {tuple(getattr(model.model.layers[0].mlp.experts, w).shape) for w in EXPERT_WEIGHTS}
+    gen = torch.Generator().manual_seed(1)
+    for ids in (torch.randint(0, 96, (2, 7), generator=gen), torch.randint(0, 96, (1, 1), generator=gen)):
+        moecompile.backend.clear_records()
+        with torch.no_grad():
+            got = compiled(ids, use_cache=False).logits
+            want = reference(ids, use_cache=False).logits
+        assert _cosine(got, want) >= 0.999
+        (record,) = moecompile.backend.records()
+        reports = dict(record.reports)
+        assert all("FP8 weights as stored" in r for r in reports["recognise_moe"]["recognised"])
+        assert len(reports["recognise_moe"]["recognised"]) == 2, reports["recognise_moe"]
+        gm = record.graph_module
+        direct = family == "qwen3_moe" and ids.numel() == 1
+        assert _ops(gm, "routed_experts_fp8" if direct else "experts_fp8") == 2
+        assert _ops(gm, "experts") == _ops(gm, "routed_experts") == 0
+        assert _ops(gm, "linear_fp8") == 8  # q, k, v, o of two layers; routers and lm_head stay as they are
+        assert not _float_copies(gm, shapes)
+        assert all("as stored" in r for r in reports["insert_fp8"]["rewritten"])
+
+
+def test_generate_matches_the_dequantised_model():
+    """moecompile.generate on the native FP8 model gives the dequantised model's greedy tokens (seed chosen where
+    no near-tie separates them; the logits are compared too)."""
+    model, reference = native_fp8("qwen3_moe")
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    got = moecompile.generate(model, ids, 4, options=NO_INDUCTOR)
+    want = moecompile.generate(reference, ids, 4, compile=False)
+    assert torch.equal(got, want)
+    with torch.no_grad():
+        assert _cosine(model(got).logits, reference(got).logits) >= 0.999

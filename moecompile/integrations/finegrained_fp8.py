@@ -23,6 +23,7 @@ as transformers runs them, and listed in enable()'s report.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch import nn
@@ -109,11 +110,11 @@ def enable(model: nn.Module) -> dict:
     """Run model's FineGrainedFP8 linears and experts on moecompile's FP8 ops, in place (see the module docstring).
     Returns {"linears": [names], "experts": [names], "left": ["name: why"]}; a model without FP8 modules is
     untouched."""
-    try:
-        from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
-    except ImportError:
-        return {"linears": [], "experts": [], "left": []}
     report, left_experts = {"linears": [], "experts": [], "left": []}, []
+    hf = sys.modules.get("transformers.integrations.finegrained_fp8")  # imported wherever an FP8 module was built
+    if hf is None:
+        return report
+    FP8Experts, FP8Linear = hf.FP8Experts, hf.FP8Linear  # noqa: N806 - transformers' class names
     for name, module in model.named_modules():
         if isinstance(module, FP8Linear) and type(module).forward is not _linear_forward:
             why = _why_not(module, ("weight",)) or ("grouped linear" if hasattr(module, "n_groups") else None)
