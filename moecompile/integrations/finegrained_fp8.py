@@ -96,16 +96,6 @@ def _linear_class(base: type) -> type:
     return type(f"MoECompile{base.__name__}", (base,), {"forward": _linear_forward, "__module__": __name__})
 
 
-def register() -> bool:
-    """Register "moecompile" in transformers' FP8 experts interface; False when this transformers has none."""
-    try:
-        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
-    except ImportError:
-        return False
-    ALL_FP8_EXPERTS_FUNCTIONS.register(NAME, experts_forward)
-    return True
-
-
 def enable(model: nn.Module) -> dict:
     """Run model's FineGrainedFP8 linears and experts on moecompile's FP8 ops, in place (see the module docstring).
     Returns {"linears": [names], "experts": [names], "left": ["name: why"]}; a model without FP8 modules is
@@ -134,6 +124,6 @@ def enable(model: nn.Module) -> dict:
         raise MoECompileError("moecompile runs all of a model's FP8 experts or none: " + "; ".join(left_experts))
     report["left"] += left_experts
     if report["experts"]:
-        register()
+        hf.ALL_FP8_EXPERTS_FUNCTIONS.register(NAME, experts_forward)
         model.set_experts_implementation(NAME)
     return report
