@@ -83,7 +83,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
                   else (self.up_proj, self.up_proj_scale_inv))
     y, order = routed_fp8(hidden_states, top_k_index, w_in, s_in, None, self.down_proj, self.down_proj_scale_inv,
                           None, spec["activation"], gated)
-    return ops.combine(y, order, top_k_weights).to(hidden_states.dtype)
+    return ops.combine(y, order, top_k_weights)
 
 
 def _linear_forward(self, input: torch.Tensor) -> torch.Tensor:
