@@ -8,17 +8,17 @@ import torch
 from torch import nn
 
 pytest.importorskip("transformers")
-from transformers import FineGrainedFP8Config, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.integrations.finegrained_fp8 import (
     Fp8Dequantize,
     FP8Experts,
     FP8Linear,
-    replace_with_fp8_linear,
 )
 
 import moecompile
+from moecompile.core.errors import MoECompileError
 from moecompile.integrations import finegrained_fp8
-from moecompile.ir.fp8 import dequantize_blocks, quantize_blocks, quantize_weight
+from moecompile.ir.fp8 import dequantize_blocks
 
 NO_INDUCTOR = {"inductor": False}
 # expert rows a multiple of 128 (2I and I): transformers' gate_up scales are then one per 128 x 128 block
@@ -35,10 +35,10 @@ EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
 def native_fp8(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, nn.Module]:
-    """(FP8 model, reference): a tiny model swapped to transformers' FP8 modules by transformers' own
-    replace_with_fp8_linear (what from_pretrained does for an FP8 checkpoint; lm_head kept, as FP8 checkpoints
-    keep it), filled with 128 x 128 block-quantised random weights; the reference is the same model with each of
-    those weights dequantised (plain HF modules, in dtype)."""
+    """(FP8 model, reference): a tiny model converted by finegrained_fp8.to_native_fp8 to transformers' FP8 modules
+    (what from_pretrained builds for an FP8 checkpoint; lm_head kept, as FP8 checkpoints keep it) with 128 x 128
+    block-quantised random weights; the reference is the same model with each of those weights dequantised (plain
+    HF modules, in dtype)."""
     cls, config = FAMILIES[family]
     torch.manual_seed(seed)
     reference = cls(config()).eval()
@@ -46,23 +46,13 @@ def native_fp8(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -
         for p in reference.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.08)
-    reference.to(dtype)  # before the swap: .to(dtype) would cast FP8 parameters too
-    model = copy.deepcopy(reference)
-    replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"], quantization_config=FineGrainedFP8Config())
-    for name, module in model.named_modules():
-        ref = reference.get_submodule(name) if name else reference
-        if isinstance(module, FP8Linear):
-            pairs = [("weight", quantize_blocks)]
-        elif isinstance(module, FP8Experts):
-            pairs = [(w, quantize_weight) for w in EXPERT_WEIGHTS]
-        else:
-            continue
-        for w, quantize in pairs:
-            q, s = quantize(getattr(ref, w).detach())
-            setattr(module, w, nn.Parameter(q, requires_grad=False))
-            setattr(module, f"{w}_scale_inv", nn.Parameter(s, requires_grad=False))
-            with torch.no_grad():
-                getattr(ref, w).copy_(dequantize_blocks(q, s))
+    reference.to(dtype)  # before the conversion: .to(dtype) would cast FP8 parameters too
+    model = finegrained_fp8.to_native_fp8(copy.deepcopy(reference))
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            for w in finegrained_fp8.quantised_weights(module):
+                q, s = getattr(module, w), getattr(module, f"{w}_scale_inv")
+                getattr(reference.get_submodule(name), w).copy_(dequantize_blocks(q, s))
     return model.eval(), reference
 
 
@@ -82,6 +72,35 @@ def test_fixture_is_transformers_fp8_layout():
     assert type(model.lm_head) is nn.Linear and type(model.model.layers[0].mlp.gate).__name__ == "Qwen3MoeTopKRouter"
     hf = Fp8Dequantize(None)._dequantize_one(experts.gate_up_proj, experts.gate_up_proj_scale_inv, torch.float32)
     assert torch.equal(hf, dequantize_blocks(experts.gate_up_proj, experts.gate_up_proj_scale_inv))
+
+
+def test_to_native_fp8_builds_on_meta_and_refuses_split_blocks():
+    """to_native_fp8 fills meta-device modules through `fill` one at a time (never a whole bf16 model), gives the
+    config the quantization_config of an FP8 checkpoint, and refuses (model unchanged) an expert intermediate size
+    whose gate and up halves would share scale blocks."""
+    cls, config = FAMILIES["mixtral"]
+    with torch.device("meta"):
+        model = cls(config())
+    filled = []
+
+    def fill(name, module):
+        module.to_empty(device="cpu")
+        nn.init.normal_(module.weight if hasattr(module, "weight") else module.gate_up_proj)
+        filled.append(name)
+
+    finegrained_fp8.to_native_fp8(model, fill=fill)
+    assert len(filled) == 10 and filled[4] == "model.layers.0.mlp.experts"
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.device.type == "cpu" and experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert experts.gate_up_proj_scale_inv.abs().min() > 0  # filled, not left empty
+    quant = model.config.to_dict()["quantization_config"]
+    assert quant["quant_method"] == "fp8" and list(quant["weight_block_size"]) == [128, 128]
+    assert model.lm_head.weight.is_meta and type(model.lm_head) is nn.Linear  # not converted, not filled
+    odd = cls(MixtralConfig(**{**SHAPES, "intermediate_size": 192}, num_local_experts=4))
+    with pytest.raises(MoECompileError, match="intermediate size 192 is not a multiple of 128"):
+        finegrained_fp8.to_native_fp8(odd)
+    assert type(odd.model.layers[0].mlp.experts).__name__ == "MixtralExperts"
+    assert not hasattr(odd.config, "quantization_config")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -19,6 +19,9 @@ the checkpoint's own FP8 tensors (no dequantised copy, no requantisation):
   moecompile::linear_fp8 (same parameters, same state dict).
 Modules in another format (per-tensor or other block sizes, static activation scales, UE8M0 scales, FP4) are left
 as transformers runs them, and listed in enable()'s report.
+
+to_native_fp8(model) makes that layout from an in-memory bf16 / float32 model (what from_pretrained builds from an
+FP8 checkpoint), quantising one module at a time.
 """
 from __future__ import annotations
 
@@ -32,10 +35,11 @@ from moecompile.core.errors import MoECompileError
 from moecompile.core.fp8_format import WEIGHT_BLOCK
 from moecompile.integrations import hf_experts
 from moecompile.ir import ops
-from moecompile.ir.fp8 import routed_fp8
+from moecompile.ir.fp8 import quantize_blocks, quantize_weight, routed_fp8
 
 NAME = hf_experts.NAME
 _SPEC_ATTR = "_moecompile_fp8_spec"
+EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")  # FP8Experts' quantised tensors (up_proj: no gate)
 
 
 def _why_not(module: nn.Module, weights: tuple[str, ...]) -> str | None:
@@ -127,3 +131,71 @@ def enable(model: nn.Module) -> dict:
         hf.ALL_FP8_EXPERTS_FUNCTIONS.register(NAME, experts_forward)
         model.set_experts_implementation(NAME)
     return report
+
+
+def quantised_weights(module: nn.Module) -> tuple[str, ...]:
+    """Names of the FP8 weights of a transformers FP8 module (each beside its `<name>_scale_inv`), () for others."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
+
+    if isinstance(module, FP8Experts):
+        return tuple(w for w in EXPERT_WEIGHTS if getattr(module, w, None) is not None)
+    return ("weight",) if isinstance(module, FP8Linear) else ()
+
+
+def _refusal(name: str, old: nn.Module, new: nn.Module) -> str | None:
+    """Why the FP8 module transformers made for `name` cannot hold the old module's weights, or None."""
+    if getattr(new, "intermediate_dim", WEIGHT_BLOCK) % WEIGHT_BLOCK:
+        return (f"{name}: expert intermediate size {new.intermediate_dim} is not a multiple of {WEIGHT_BLOCK} "
+                f"(gate_up_proj's gate and up halves would share FP8 scale blocks)")
+    for w in quantised_weights(new):
+        theirs = getattr(old, w, None)
+        if not isinstance(theirs, torch.Tensor) or theirs.shape != getattr(new, w).shape:
+            return f"{name}: {type(old).__name__}.{w} is not the [{', '.join(map(str, getattr(new, w).shape))}] " \
+                   f"weight transformers' {type(new).__name__} stores"
+    if hasattr(new, "n_groups"):
+        return f"{name}: a grouped linear"
+    return _why_not(new, quantised_weights(new))
+
+
+def to_native_fp8(model: nn.Module, fill=None) -> nn.Module:
+    """Convert an HF model in place to transformers' FineGrainedFP8 layout, as from_pretrained builds it from an FP8
+    checkpoint: its quantizer swaps in FP8Linear / FP8Experts (lm_head and transformers' other skipped modules stay)
+    and sets config.quantization_config; each module's weights are then block-quantised with moecompile.ir.fp8 and
+    its unquantised module dropped, one module at a time (peak: the model plus one module's FP8 tensors).
+    `fill(name, module)`, if given, is called on each unquantised module first: it may materialise a module built on
+    the meta device (so a model never exists whole in bf16). Raises MoECompileError, the model unchanged, for a
+    module the layout cannot hold. Run it with enable() (moecompile.compile / generate call it)."""
+    from transformers import FineGrainedFP8Config
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    for name, module in model.named_modules():
+        if name.endswith(".experts") and getattr(module, "has_bias", False):
+            raise MoECompileError(f"{name}: transformers' FP8 experts hold no biases")
+    originals = dict(model.named_modules())
+    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config(), pre_quantized=True)
+    quantizer.preprocess_model(model)  # FP8 modules on the meta device in place of the converted ones
+    swapped = [(name, originals[name], new) for name, new in model.named_modules()
+               if new is not originals.get(name, new) and quantised_weights(new)]
+    why = next(filter(None, (_refusal(name, old, new) for name, old, new in swapped)), None)
+    if why:
+        for name, old, _ in swapped:
+            model.set_submodule(name, old)
+        quantizer.remove_quantization_config(model)
+        raise MoECompileError(f"cannot convert to transformers' FP8 layout: {why}")
+    del originals
+    with torch.no_grad():
+        while swapped:
+            name, old, new = swapped.pop(0)
+            if fill is not None:
+                fill(name, old)
+            for w in quantised_weights(new):
+                weight = getattr(old, w).detach()
+                q, s = (quantize_weight if weight.dim() == 3 else quantize_blocks)(weight)  # experts one by one
+                setattr(new, w, nn.Parameter(q, requires_grad=False))
+                setattr(new, f"{w}_scale_inv", nn.Parameter(s, requires_grad=False))
+            if getattr(new, "bias", None) is not None:
+                new.bias = nn.Parameter(old.bias.detach(), requires_grad=False)
+            del old  # its unquantised weights go with it
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
+    return model
