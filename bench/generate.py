@@ -1,6 +1,6 @@
 """Whole-model generation of MoE models at real per-layer sizes (or every layer, --full): prefill ms, decode ms per
 step, tokens/s, the floor of the bytes one step reads (weights and key/value cache), and a profile of one decode step.
-Random weights, bf16 (FP8 weights in the moecompile modes with --fp8).
+Random weights, bf16 (FP8 weights in moecompile-fp8, with --fp8 or --fp8-only).
 
 Modes, all in one run:
   hf-eager           HF generate, default (dynamic) cache, HF's default experts implementation
@@ -9,8 +9,12 @@ Modes, all in one run:
   hf-moecompile      the same with backend="moecompile"
   moecompile         moecompile.generate: compiled prefill, the whole decode step (layers, logits, token choice)
                      one CUDA graph, replayed with no host synchronisation per token
-  moecompile-fp8     the same with FP8 weights (backend options fp8, and fp8_linears where the backend has it);
-                     --fp8 adds it after moecompile, whose first-step logits and step time it is compared with
+  moecompile-fp8     the same on the model in transformers' FineGrainedFP8 layout (experts and every linear but
+                     lm_head and the routers in FP8, no bf16 copy; moecompile's FP8 ops run it with default options):
+                     --fp8 adds it after the other modes, converting their bf16 model in place
+                     (finegrained_fp8.to_native_fp8), and compares it with moecompile's first-step logits and step
+                     time; --fp8-only runs it alone, the model built straight into FP8 one module at a time (on
+                     the meta device, each module materialised, randomly initialised and quantised in turn)
   hf-custom-generate HF generate with custom_generate=moecompile.generation.custom_generate: HF's preparation, then
                      moecompile.generate's loop (not in the default list; cos is not measured)
   moecompile-unfused the same without the fuse_projections pass (not in the default list: what that pass gives)
@@ -26,11 +30,13 @@ it: HF's attention expands it into every head's keys and values at each step, mo
 as it is). Correctness: cosine of the
 first compiled step's logits with HF eager's (for hf-inductor / hf-moecompile the second step: HF runs the prompt
 eagerly), and the greedy tokens that agree with HF eager's before the first difference (bf16 near-ties may diverge
-later). A model, batch or mode whose weights, FP8 copies and cache do not fit the card is a row "does not fit",
-estimated from the config before anything is built.
+later). A model, batch or mode whose weights and cache do not fit the card is a row "does not fit",
+estimated from the config before anything is built (moecompile-fp8: its FP8 weights, no bf16 copy; converting the
+bf16 model never holds more than the bf16 modes did, and --fp8-only's build one module's bf16 weights beyond them).
 
   python bench/generate.py --out bench/results/gpu-generate.md                      # a slice of each model
   python bench/generate.py --full --fp8 --batches 1,16,64 --modes hf-inductor,moecompile  # every layer, FP8 vs bf16
+  python bench/generate.py --full --fp8-only --models mixtral-8x7b --batches 1,16    # FP8 where bf16 does not fit
   python bench/generate.py --context 4096 --batches 64 --modes moecompile --attention-probe   # long context
   python bench/generate.py --models all --sample --batches 1,16,64 --new 16 --modes moecompile,hf-moecompile  # sampled
   python bench/generate.py --tiny --models mixtral-8x7b --batches 1 --new 8         # a quick smoke run
@@ -59,8 +65,8 @@ import transformers
 from compile import instantiate  # bench/compile.py, beside this script: the same random HF models
 
 import moecompile.backend
-from moecompile.backend import OPTIONS
 from moecompile.generation import Generator, Sampling, custom_generate
+from moecompile.integrations.finegrained_fp8 import to_native_fp8
 
 MODELS = {  # name: (config class, model class, layers, sizes) - per-layer sizes of the published models
     "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 8, dict(
@@ -95,13 +101,12 @@ TINY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, s
 MODES = ("hf-eager", "hf-experts-mc", "hf-inductor", "hf-moecompile", "moecompile")
 OTHER_MODES = ("hf-custom-generate",)
 FP8_MODE = "moecompile-fp8"
-GENERATOR_OPTIONS = {"moecompile": {}, FP8_MODE: {"fp8": True}, "moecompile-unfused": {"fuse_projections": False},
+GENERATOR_OPTIONS = {"moecompile": {}, FP8_MODE: {}, "moecompile-unfused": {"fuse_projections": False},
                      "moecompile-sorted": {"direct_experts": False}, "moecompile-repeat-kv": {"gqa_attention": False},
                      "moecompile-gemm": {"decode_matvec": False}}
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-ROUTER_SUFFIXES = (".gate.weight", ".router.weight", "shared_expert_gate.weight")  # linears FP8 leaves in bf16
+ROUTER_SUFFIXES = (".gate.weight", ".router.weight")  # routers: not linears in transformers' FP8 layout
 FP8_BLOCK = 128
-FP8_LINEARS = "fp8_linears" in OPTIONS  # the backend's FP8 one-row linears, where it has them
 PROBE_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 HEADROOM = 4 * 2 ** 30  # bytes beyond weights and cache a run needs (activations, logits, workspaces)
 
@@ -120,10 +125,41 @@ def make_config(name: str, tiny: bool, layers: int | None = None, full: bool = F
                                              max_position_embeddings=max_positions, eos_token_id=None, **sizes)
 
 
-def build(name: str, config, device: str, dtype: torch.dtype):
-    model = instantiate(MODELS[name][1], config, device, dtype)
+def build(name: str, config, device: str, dtype: torch.dtype, fp8: bool = False):
+    """The random model of a MODELS entry; `fp8`: in transformers' FineGrainedFP8 layout, built on the meta device
+    and materialised one module at a time, each quantised module before the next (no whole bf16 copy)."""
+    if fp8:
+        model = build_fp8(name, config, device, dtype)
+    else:
+        model = instantiate(MODELS[name][1], config, device, dtype)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
+    return model
+
+
+def build_fp8(name: str, config, device: str, dtype: torch.dtype, seed: int = 0):
+    """build(fp8=True): HF's initialisation of each module as it is materialised, routers as instantiate's."""
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = getattr(transformers, MODELS[name][1])(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+
+    def fill(_, module):
+        module.to_empty(device=device, recurse=False)
+        model._init_weights(module)
+
+    to_native_fp8(model, fill)
+    for module in model.modules():  # the rest: embeddings, norms, routers, lm_head, rotary tables
+        if any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
+            fill(None, module)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith(ROUTER_SUFFIXES) and p.dim() == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
     return model
 
 
@@ -159,9 +195,10 @@ def is_expert(pname: str, shape, experts: int) -> bool:
     return ".experts." in pname and len(shape) >= 2 and shape[0] == experts
 
 
-def fp8_parameters(shapes: dict, config, linears: bool) -> frozenset[str]:
+def fp8_parameters(shapes: dict, config, linears: bool = True) -> frozenset[str]:
     """The parameters an FP8 run reads in FP8: the expert weight tensors, and with `linears` every other linear
-    weight of the layers except the routers (embedding, norms, biases and lm_head stay bf16)."""
+    weight of the layers except the routers (embedding, norms, biases and lm_head stay bf16), as in transformers'
+    FineGrainedFP8 layout."""
     experts = expert_count(config)
     chosen = set()
     for pname, shape in shapes.items():
@@ -196,9 +233,8 @@ def weight_bytes(shapes: dict, config, batch: int, itemsize: int, fp8: frozenset
 
 
 def resident_bytes(shapes: dict, itemsize: int, fp8: frozenset[str] = frozenset()) -> int:
-    """Device memory of the parameters, with the backend's FP8 copy of those in `fp8` (one per weight, shared by the
-    prefill and decode graphs)."""
-    return sum(math.prod(s) * itemsize + (fp8_bytes(s) if p in fp8 else 0) for p, s in shapes.items())
+    """Device memory of the parameters, those in `fp8` stored in FP8 only (transformers' FineGrainedFP8 layout)."""
+    return sum(fp8_bytes(s) if p in fp8 else math.prod(s) * itemsize for p, s in shapes.items())
 
 
 def kv_widths(config, absorbed: bool = False) -> tuple[int, int, int, int]:
@@ -346,8 +382,6 @@ def profile_step(gen: Generator, ids, sampling: Sampling | None = None, steps: i
 
 def generator_options(mode: str, inductor: bool) -> dict | None:
     options = dict(GENERATOR_OPTIONS[mode])
-    if options.get("fp8") and FP8_LINEARS:
-        options["fp8_linears"] = True
     if not inductor:
         options["inductor"] = False
     return options or None
@@ -360,7 +394,7 @@ def fp8_rewrites() -> int:
 
 
 def release(device: str) -> None:
-    """Free what a mode compiled and cached (the FP8 copies live in the compiled graphs) before the next one."""
+    """Free what a mode compiled and cached before the next one."""
     gc.collect()
     torch._dynamo.reset()
     if device == "cuda":
@@ -446,7 +480,9 @@ def main(argv=None) -> int:
     parser.add_argument("--full", action="store_true", help="every layer of the published models")
     parser.add_argument("--layers", type=int, help="layers of every model (default: each model's in MODELS)")
     parser.add_argument("--fp8", action="store_true",
-                        help=f"add {FP8_MODE} after moecompile (FP8 weights; the other modes stay bf16)")
+                        help=f"add {FP8_MODE} after the other modes, on their model converted to FP8 in place")
+    parser.add_argument("--fp8-only", action="store_true",
+                        help=f"run {FP8_MODE} alone, the model built straight into FP8 (no bf16 model)")
     parser.add_argument("--attention-probe", action="store_true",
                         help="time one layer's decode attention over the cache with each SDPA backend")
     parser.add_argument("--memory-gb", type=float, help="device memory to plan for (default: the device's)")
@@ -462,10 +498,11 @@ def main(argv=None) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     names = list(MODELS) if args.models == "all" else args.models.split(",")
     modes = [m for m in args.modes.split(",") if m]
-    if args.fp8:
-        modes += [m for m in ("moecompile", FP8_MODE) if m not in modes]
-        modes.remove(FP8_MODE)
-        modes.insert(modes.index("moecompile") + 1, FP8_MODE)
+    if args.fp8_only:
+        modes = [FP8_MODE]
+    elif args.fp8 or FP8_MODE in modes:  # last: converting to FP8 consumes the bf16 model
+        modes = [m for m in modes if m != FP8_MODE] + ["moecompile"] * (args.fp8 and "moecompile" not in modes) \
+            + [FP8_MODE]
     batches = [int(b) for b in args.batches.split(",")]
     sampling = Sampling(top_k=50, top_p=0.9, seed=0) if args.sample else None
     unknown = set(modes) - set(MODES) - set(OTHER_MODES) - set(GENERATOR_OPTIONS)
@@ -484,8 +521,10 @@ def main(argv=None) -> int:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "none"
-    fp8_note = (f" {FP8_MODE}: FP8 expert weights{' and linears' if FP8_LINEARS else ''} (backend options "
-                f"{generator_options(FP8_MODE, True)}); every other mode bf16." if FP8_MODE in modes else "")
+    fp8_note = (f" {FP8_MODE}: transformers' FineGrainedFP8 layout (experts and linears but lm_head and routers, "
+                f"128 x 128 block scales) on moecompile's FP8 ops, "
+                f"{'built in FP8 module by module' if args.fp8_only else 'converted from the bf16 model'}; every "
+                f"other mode bf16." if FP8_MODE in modes else "")
     header = [f"# Whole-model generation ({'tiny widths, ' if args.tiny else ''}{device})", "",
               f"Command: `{shlex.join(['python', 'bench/generate.py', *(argv if argv is not None else sys.argv[1:])])}`"
               f" (commit {commit or '?'})", "",
@@ -497,7 +536,8 @@ def main(argv=None) -> int:
               f"{'every layer' if args.full else 'a slice of layers'}; medians of {args.reps}.{fp8_note} Floor: "
               f"the weights and the key/value cache (mean length over the timed steps) one step reads, at the copy "
               f"bandwidth. Memory planned: "
-              f"{'unchecked' if capacity is None else f'{capacity / 1e9:.0f} GB'} (weights, FP8 copies, cache and "
+              f"{'unchecked' if capacity is None else f'{capacity / 1e9:.0f} GB'} (weights, FP8 ones in FP8 only, "
+              f"cache and "
               f"{HEADROOM / 1e9:.1f} GB of headroom; more is a row 'does not fit').", "",
               "| model (layers) | batch | mode | prefill ms | decode ms/step | tokens/s | floor weights ms | "
               "floor cache ms | floor ms | x floor | cos | agree | FP8 vs bf16: cos, speed-up |",
@@ -515,22 +555,26 @@ def main(argv=None) -> int:
         if not modes:
             continue
         shapes = parameter_shapes(name, config)
-        fp8 = fp8_parameters(shapes, config, FP8_LINEARS)
+        fp8 = fp8_parameters(shapes, config)
         needed = {(mode, batch): resident_bytes(shapes, itemsize, fp8 if mode == FP8_MODE else frozenset())
                   + cache_bytes(config, batch, args.context + args.new, itemsize, windows=False) + HEADROOM
                   for mode in modes for batch in batches}
         fits = {key: capacity is None or size <= capacity for key, size in needed.items()}
-        model = build(name, config, device, dtype) if any(fits.values()) else None
-        for batch in batches:
-            ids = torch.randint(0, config.vocab_size, (batch, args.context),
-                                generator=torch.Generator().manual_seed(batch)).to(device)
-            reference, bf16 = None, None
-            for mode in modes:
+        model, references, bf16, model_rows = None, {}, {}, []
+        for mode in modes:
+            if FP8_MODE == mode and any(fits[mode, b] for b in batches):
+                model = build(name, config, device, dtype, fp8=True) if model is None else to_native_fp8(model)
+            elif model is None and any(fits[mode, b] for b in batches):
+                model = build(name, config, device, dtype)
+            for batch in batches:
+                ids = torch.randint(0, config.vocab_size, (batch, args.context),
+                                    generator=torch.Generator().manual_seed(batch)).to(device)
+                reference = references.get(batch)
                 if not fits[mode, batch]:
                     row = (f"| {label} | {batch} | {mode} | does not fit: {needed[mode, batch] / 1e9:.0f} GB "
                            f"(card {capacity / 1e9:.0f} GB) |")
                     print(row, flush=True)
-                    rows.append(row)
+                    model_rows.append((batch, row))
                     continue
                 weights_floor = weight_bytes(shapes, config, batch, itemsize,
                                              fp8 if mode == FP8_MODE else frozenset()) / bandwidth
@@ -545,9 +589,9 @@ def main(argv=None) -> int:
                         if report:
                             profiles.append(f"{label}, batch {batch}, {mode}:\n{report}")
                         if mode == "moecompile":
-                            bf16 = logits, decode
-                        elif mode == FP8_MODE and bf16 is not None:
-                            versus = f"{cos(logits, bf16[0]):.5f}, {bf16[1] / decode:.2f}x"
+                            bf16[batch] = logits, decode
+                        elif mode == FP8_MODE and batch in bf16:
+                            versus = f"{cos(logits, bf16[batch][0]):.5f}, {bf16[batch][1] / decode:.2f}x"
                             if not fp8_rewrites():
                                 versus += " (no expert op became FP8)"
                     elif mode == "hf-custom-generate":
@@ -559,6 +603,7 @@ def main(argv=None) -> int:
                                                                        reference, sampling)
                         if mode == "hf-eager":
                             reference, cosine = out, 1.0
+                            references[batch] = out
                     matched = agree(tokens[:, args.context:], reference.sequences[:, args.context:]) \
                         if reference is not None else -1
                     row = (f"| {label} | {batch} | {mode} | {prefill * 1e3:.2f} | {decode * 1e3:.3f} | "
@@ -569,7 +614,8 @@ def main(argv=None) -> int:
                     row = f"| {label} | {batch} | {mode} | **{type(exc).__name__}**: {str(exc).splitlines()[0][:150]} |"
                 release(device)
                 print(row, flush=True)
-                rows.append(row)
+                model_rows.append((batch, row))
+        rows += [row for _, row in sorted(model_rows, key=lambda r: batches.index(r[0]))]  # by batch, then mode
         del model
         release(device)
     text = "\n".join(header + rows) + "\n"

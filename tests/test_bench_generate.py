@@ -56,8 +56,13 @@ def test_fp8_floor_counts_fp8_bytes_of_the_quantised_tensors(bench):
     delta = sum((2 * s.numel() - bench.fp8_bytes(s)) * hit for name, s in shapes.items() if name in experts)
     full = bench.weight_bytes(shapes, config, 4, 2)
     assert bench.weight_bytes(shapes, config, 4, 2, experts) == pytest.approx(full - delta)
-    assert bench.resident_bytes(shapes, 2, experts) == bench.resident_bytes(shapes, 2) + sum(
-        bench.fp8_bytes(shapes[name]) for name in experts)
+    # the FP8 mode's model (transformers' FineGrainedFP8 layout) holds its FP8 tensors and no bf16 copy of them
+    assert bench.resident_bytes(shapes, 2, linears) == bench.resident_bytes(shapes, 2) - sum(
+        2 * shapes[name].numel() - bench.fp8_bytes(shapes[name]) for name in linears)
+    full = bench.make_config("mixtral-8x7b", tiny=False, full=True)
+    shapes = bench.parameter_shapes("mixtral-8x7b", full)
+    assert 93e9 < bench.resident_bytes(shapes, 2) < 94e9 and 46e9 < bench.resident_bytes(
+        shapes, 2, bench.fp8_parameters(shapes, full)) < 47e9  # the issue's 93 GB in bf16, about 47 GB in FP8
 
 
 def test_model_that_does_not_fit_is_a_row(bench, tmp_path):
@@ -84,3 +89,26 @@ def test_fp8_against_bf16_and_attention_probe_tiny(bench, tmp_path):
     probe = [r for r in rows_of(text) if r[0] == "qwen3-30b-a3b" and len(r) == 7]
     assert sum("(the compiled step)" in r[2] and r[3].startswith("default: ") for r in probe) == 1
     assert any(r[3] == "forced MATH" and float(r[4]) > 0 for r in probe)
+
+
+def test_fp8_only_builds_the_model_in_fp8(bench):
+    """--fp8-only's model: transformers' FP8 layout materialised module by module from the meta device, every tensor
+    filled (HF's initialisation, rotary tables as an ordinary build's), and it runs on moecompile's FP8 ops."""
+    import torch
+
+    from moecompile.integrations import finegrained_fp8
+
+    config = bench.make_config("mixtral-8x7b", tiny=True, layers=1)
+    model = bench.build("mixtral-8x7b", config, "cpu", torch.float32, fp8=True)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert not [n for n, t in tensors.items() if t.is_meta or not t.float().isfinite().all()]
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.gate_up_proj.float().std() > 0
+    assert model.config.quantization_config.quant_method == "fp8"
+    plain = bench.build("mixtral-8x7b", config, "cpu", torch.float32)
+    assert torch.equal(model.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)
+    router = model.model.layers[0].mlp.gate.weight
+    assert abs(router.std().item() * router.shape[1] ** 0.5 - 1) < 0.1  # as instantiate's routers
+    assert len(finegrained_fp8.enable(model)["experts"]) == 1
+    with torch.no_grad():
+        assert model(torch.arange(6)[None]).logits.isfinite().all()
