@@ -69,7 +69,7 @@ def tune_shape(name, d, f, e, k, tokens, table, lines):
         start = time.time()
         tuned_fn(*args, **kwargs)  # QuACK's autotuner: compiles the candidates in parallel, times each
         best = tuned_fn.best_config.kwargs["config"]
-        config = {kk: v for kk, v in dataclasses.asdict(best).items()}
+        config = dataclasses.asdict(best)
         table[key] = config
         default_ms, tuned_ms = bench(lambda: ours(None)), bench(lambda: ours(config))
         flops = 2 * tokens * k * d * f * (2 if gemm.startswith("first") else 1)
