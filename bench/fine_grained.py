@@ -13,7 +13,8 @@ Every layer is SwiGLU, bf16, dropless, renormalised softmax top-k, the same weig
   its rows from the token matrix + QuACK's second + moecompile's combine, from a CUDA graph.
 - SonicMoE: its MoE module (CuTe DSL through QuACK), eager, inference mode; fwd+bwd in training mode.
 - vLLM: its fused_moe Triton kernel (bench/peers/vllm_fused_moe.py; carry .peers/), GEMMs alone and layer.
-Training (forward + backward): ours (MoEBlock autograd) / HF grouped_mm (MixtralSparseMoeBlock) / SonicMoE, eager.
+Training (forward + backward), eager: ours (MoEBlock autograd; the runtime's choice, QuACK forced, torch._grouped_mm
+forced) / HF grouped_mm (MixtralSparseMoeBlock) / SonicMoE.
 Correctness: relative Frobenius error of each layer against a float32 reference on the same bf16 inputs.
 Each shape's rows are printed as soon as they are measured (a run cut short keeps what it finished).
 """
@@ -44,6 +45,7 @@ SHAPES = {  # name: (d, f, E, k, tokens), in the order a run cut short should ke
 }
 GEMM_KERNELS = ("triton_persistent", "grouped_mm", "quack")
 TRAIN_SHAPES = ("qwen3-moe", "mixtral")  # the issue's training targets
+TRAIN_COLUMNS = ("ours", "ours quack", "ours grouped_mm", "HF grouped_mm", "SonicMoE")
 
 bench = moe_layer.bench
 
@@ -226,6 +228,7 @@ def train_row(name, ours, hf, sonic, x, notes):
     times = {}
     for label, block, call, kernel in (
             ("ours", ours, lambda b: b(xg), "auto"), ("ours quack", ours, lambda b: b(xg), "quack"),
+            ("ours grouped_mm", ours, lambda b: b(xg), "grouped_mm"),
             ("HF grouped_mm", hf, lambda b: b(xg), "auto"),
             ("SonicMoE", sonic, lambda b: b(xg)[0], "auto")):
         if block is None:
@@ -235,7 +238,7 @@ def train_row(name, ours, hf, sonic, x, notes):
         times[label] = attempt(f"train {label}", lambda: bench(lambda: step(block, call)), notes)
     choices.FFN_IN = choices.FFN_OUT = "auto"
     return f"| {name} | " + " | ".join("—" if times.get(c) is None else f"{times[c]:.3f}"
-                                       for c in ("ours", "ours quack", "HF grouped_mm", "SonicMoE")) + " |"
+                                       for c in TRAIN_COLUMNS) + " |"
 
 
 def main(argv=None):
@@ -283,7 +286,7 @@ def main(argv=None):
         text = header + out_lines
         if train_lines:
             text += ["", "Training step (forward + backward, eager, gradients set to None first), median ms:", "",
-                     "| shape | ours | ours quack | HF grouped_mm | SonicMoE |", "|---|---|---|---|---|",
+                     "| shape | " + " | ".join(TRAIN_COLUMNS) + " |", "|---" * (len(TRAIN_COLUMNS) + 1) + "|",
                      *train_lines]
         if notes:
             text += ["", "Notes (what failed to run):", "", *[f"- {n}" for n in notes]]

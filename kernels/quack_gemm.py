@@ -2,6 +2,8 @@
 `quack` extra. Both projections are QuACK's varlen-M grouped GEMMs over rows in expert order (the group ends come
 from the device as a cumulative table, so no host synchronisation); the first takes its activation (gated or not)
 in the epilogue and can gather its A rows straight from the token matrix (`gather_rows`: no permuted copy written).
+Training keeps the first projection's pre-activation, and the backward is four more: the activation's derivative in
+the epilogue of grad_y W_out, the weight gradients as varlen-K GEMMs over each group's rows, then grad_x.
 
 Each call runs the tile configuration it is given (`config`: GemmConfig's fields, from the runtime's tuned table) or
 QuACK's default, never QuACK's autotuner: that would compile and time every candidate at each new row count.
@@ -62,13 +64,25 @@ def first_projection(x: torch.Tensor, cu_seqlens: torch.Tensor, w_in: torch.Tens
     """act(x[r] W_in[e]^T + b_in[e]) for the rows r of each expert e's group (gated: act(gate) * up, W_in's gate rows
     first, or alternating gate / up rows when interleaved). With gather_rows (int32, one per output row) row r reads
     x[gather_rows[r]] instead of x[r]. Output rows past the last group are left unwritten."""
+    # QuACK sizes its varlen schedule from the pre-activation output unless it gathers: without a gather it is written
+    keep = gather_rows is None
+    return _first_projection(x, cu_seqlens, w_in, b_in, activation, gated, gather_rows, interleaved, config, keep)[0]
+
+
+def first_projection_train(x: torch.Tensor, cu_seqlens: torch.Tensor, w_in: torch.Tensor, b_in, activation: str,
+                           gated: bool, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first_projection's output, h): h is the pre-activation x W_in^T + b_in as `backward` reads it (gated: gate
+    and up columns alternating, the pairs QuACK's gated epilogues take)."""
+    return _first_projection(x, cu_seqlens, w_in, b_in, activation, gated, None, False, config, True)
+
+
+def _first_projection(x, cu_seqlens, w_in, b_in, activation, gated, gather_rows, interleaved, config, keep_preact):
     rows = gather_rows.shape[0] if gather_rows is not None else x.shape[0]
     width = w_in.shape[1] // 2 if gated else w_in.shape[1]
     out = x.new_empty(rows, width)
+    preact = x.new_empty(rows, w_in.shape[1]) if keep_preact else None
     if rows == 0:
-        return out
-    # QuACK sizes its varlen schedule from the pre-activation output unless it gathers: without a gather it is written
-    preact = None if gather_rows is not None else x.new_empty(rows, w_in.shape[1])
+        return out, preact
     b = w_in.transpose(1, 2)
     act = ACTIVATIONS[(activation, gated)]
     if gated:
@@ -78,7 +92,7 @@ def first_projection(x: torch.Tensor, cu_seqlens: torch.Tensor, w_in: torch.Tens
     else:
         _quack().gemm_act_tuned.fn(x, b, preact, out, None, b_in, act, cu_seqlens, gather_rows, False,
                                    config=gemm_config(config))
-    return out
+    return out, preact
 
 
 def second_projection(a: torch.Tensor, cu_seqlens: torch.Tensor, w_out: torch.Tensor, b_out,
@@ -90,3 +104,32 @@ def second_projection(a: torch.Tensor, cu_seqlens: torch.Tensor, w_out: torch.Te
     _quack().gemm_tuned.fn(a, w_out.transpose(1, 2), out, bias=b_out, cu_seqlens_m=cu_seqlens,
                            config=gemm_config(config))
     return out
+
+
+def backward(grad_y: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor, w_in: torch.Tensor,
+             w_out: torch.Tensor, h: torch.Tensor, activation: str,
+             gated: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_w_in, grad_w_out, grad_h) of the experts given first_projection_train's h, in four QuACK GEMMs:
+    grad_h = act'(h) * (grad_y W_out[e]) with the activation recomputed in the same epilogue, grad_w_out and grad_w_in
+    as GEMMs over each group's rows (varlen K: an empty group's gradient is zero), grad_x = grad_h W_in[e]. grad_h
+    is in h's layout; grad_x rows past the last group are left unwritten. QuACK's default tile configurations."""
+    quack = _quack()
+    grad_h = torch.empty_like(h)
+    a = x.new_empty(x.shape[0], w_out.shape[2])
+    grad_w_in, grad_w_out, grad_x = torch.empty_like(w_in), torch.empty_like(w_out), torch.empty_like(x)
+    if x.shape[0] == 0:
+        return grad_x, grad_w_in.zero_(), grad_w_out.zero_(), grad_h
+    act = ACTIVATIONS[(activation, gated)]
+    data = quack.gemm_dgated_tuned.fn if gated else quack.gemm_dact_tuned.fn
+    data(grad_y, w_out, h, grad_h, a, activation=act, cu_seqlens_m=cu_seqlens, dynamic_scheduler=False)
+    quack.gemm_tuned.fn(grad_y.t(), a, grad_w_out, cu_seqlens_k=cu_seqlens)
+    # gated grad_h alternates gate / up columns; W_in and its gradient keep gate rows first (QuACK's concat layout)
+    quack.gemm_tuned.fn(x.t(), grad_h, grad_w_in.transpose(1, 2), cu_seqlens_k=cu_seqlens,
+                        concat_layout=("out",) if gated else None)
+    quack.gemm_tuned.fn(grad_h, w_in, grad_x, cu_seqlens_m=cu_seqlens, concat_layout=("B",) if gated else None)
+    return grad_x, grad_w_in, grad_w_out, grad_h
+
+
+def concatenated_columns(t: torch.Tensor) -> torch.Tensor:
+    """A gated tensor's columns from alternating gate / up pairs (h's layout) to gate columns first."""
+    return t.unflatten(-1, (t.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)

@@ -100,12 +100,27 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     return _second_projection(a, offsets, w_out, b_out, second)
 
 
+def _trains_on_quack(x, w_in, w_out, activation: str, gated: bool) -> bool:
+    """Whether training runs its GEMMs on QuACK: where inference takes QuACK's first projection. experts_train and
+    experts_backward both ask, so the h one keeps is the h the other reads."""
+    return _projection_kernels(x, w_in, w_out, activation, gated)[0] == "quack"
+
+
+def _quack_first_projection_train(x, offsets, w_in, b_in, activation: str, gated: bool):
+    return quack_gemm.first_projection_train(x, quack_gemm.group_starts(offsets), w_in, b_in, activation, gated,
+                                             config=choices.quack_config("first", w_in.shape[2], w_in.shape[1]))
+
+
 def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
-    """(experts(...), h): the first projection on torch._grouped_mm, its output h kept for experts_backward; the
-    activation in one Triton pass; the second projection as experts() runs it."""
+    """(experts(...), h): the first projection's pre-activation kept for experts_backward, in the form its GEMMs
+    read: QuACK's (bias added, gated columns alternating) where training runs on QuACK, else torch._grouped_mm's
+    x W_in^T followed by the activation in one Triton pass. The second projection as experts() runs it."""
     if not grouped_mm.supported(x, w_in, w_out):
         return reference.experts_train(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
-    a, h = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
+    if _trains_on_quack(x, w_in, w_out, activation, gated):
+        a, h = _quack_first_projection_train(x, offsets, w_in, b_in, activation, gated)
+    else:
+        a, h = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
     return _second_projection(a, offsets, w_out, b_out, _projection_kernels(x, w_in, w_out, activation, gated)[1]), h
 
 
@@ -113,15 +128,27 @@ def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gat
     if not grouped_mm.supported(x, w_in, w_out):
         return reference.experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, h=h)
     num_experts, n_rows = w_in.shape[0], x.shape[0]
-    if h is None:  # experts() kept nothing: recompute the first projection
-        h = grouped_mm.grouped(x, w_in.transpose(-2, -1), offsets)
-    grad_a = grouped_mm.grouped(grad_y, w_out, offsets)
-    a, grad_h = triton_moe.expert_activation_backward(h, offsets, b_in, grad_a, activation, gated)
-    grad_w_out = grouped_mm.grouped(grad_y.t(), a, offsets)
-    grad_w_in = grouped_mm.grouped(grad_h.t(), x, offsets)
+    on_quack = _trains_on_quack(x, w_in, w_out, activation, gated)
+    if on_quack:
+        if h is None:  # experts() kept nothing: recompute the first projection
+            h = _quack_first_projection_train(x, offsets, w_in, b_in, activation, gated)[1]
+        grad_x, grad_w_in, grad_w_out, grad_h = quack_gemm.backward(
+            grad_y, x, quack_gemm.group_starts(offsets), w_in, w_out, h, activation, gated)
+    else:
+        if h is None:
+            h = grouped_mm.grouped(x, w_in.transpose(-2, -1), offsets)
+        grad_a = grouped_mm.grouped(grad_y, w_out, offsets)
+        a, grad_h = triton_moe.expert_activation_backward(h, offsets, b_in, grad_a, activation, gated)
+        grad_w_out = grouped_mm.grouped(grad_y.t(), a, offsets)
+        grad_w_in = grouped_mm.grouped(grad_h.t(), x, offsets)
+        grad_x = grouped_mm.grouped(grad_h, w_in, offsets)
     dropped = (torch.arange(n_rows, device=x.device) >= offsets[-1]).unsqueeze(1)
-    grad_x = grouped_mm.grouped(grad_h, w_in, offsets).masked_fill_(dropped, 0)
-    grad_b_in = grouped_mm.segment_sum(grad_h, offsets, num_experts) if b_in is not None else None
+    grad_x.masked_fill_(dropped, 0)
+    grad_b_in = None
+    if b_in is not None:
+        grad_b_in = grouped_mm.segment_sum(grad_h, offsets, num_experts)
+        if on_quack and gated:
+            grad_b_in = quack_gemm.concatenated_columns(grad_b_in)
     grad_b_out = grouped_mm.segment_sum(grad_y, offsets, num_experts) if has_b_out else None
     return grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out
 

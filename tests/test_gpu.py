@@ -84,12 +84,12 @@ def _reference_layer(x, ids, weights, e, w_in, b_in, w_out, b_out, activation, g
     return R.combine(y, order, weights)
 
 
-@needs_quack
-@pytest.mark.parametrize("activation,gated,bias", [("silu", True, False), ("silu", True, True),
-                                                   ("gelu_tanh", False, True), ("relu", True, False)])
-@pytest.mark.parametrize("case", ["random", "one_expert", "empty_experts", "k_equals_e", "dropped", "odd_tokens"])
-def test_quack_expert_gemms_match_float32_reference(activation, gated, bias, case, monkeypatch):
-    """QuACK's varlen GEMMs on dispatched rows (runtime choice "quack") and with gathered first-projection rows."""
+QUACK_CASES = ["random", "one_expert", "empty_experts", "k_equals_e", "dropped", "odd_tokens"]
+QUACK_ACTIVATIONS = [("silu", True, False), ("silu", True, True), ("gelu_tanh", False, True), ("relu", True, False)]
+
+
+def _quack_case(case, activation, gated, bias, monkeypatch):
+    """(x, ids, weights, k, e, w_in, b_in, w_out, b_out) of one edge case, the runtime made to choose QuACK."""
     monkeypatch.setattr(choices, "FFN_IN", "quack")
     monkeypatch.setattr(choices, "FFN_OUT", "quack")
     gen = torch.Generator(device=DEVICE).manual_seed(1)
@@ -105,6 +105,15 @@ def test_quack_expert_gemms_match_float32_reference(activation, gated, bias, cas
         logits[:, 4:] -= 100.0
     weights, ids = ops.route(logits, k, 1.0 if case == "dropped" else 0.0, True)
     assert C._projection_kernels(x, w_in, w_out, activation, gated) == ("quack", "quack")
+    return x, ids, weights, k, e, w_in, b_in, w_out, b_out
+
+
+@needs_quack
+@pytest.mark.parametrize("activation,gated,bias", QUACK_ACTIVATIONS)
+@pytest.mark.parametrize("case", QUACK_CASES)
+def test_quack_expert_gemms_match_float32_reference(activation, gated, bias, case, monkeypatch):
+    """QuACK's varlen GEMMs on dispatched rows (runtime choice "quack") and with gathered first-projection rows."""
+    x, ids, weights, k, e, w_in, b_in, w_out, b_out = _quack_case(case, activation, gated, bias, monkeypatch)
     ref = _reference_layer(x, ids, weights, e, w_in, b_in, w_out, b_out, activation, gated)
     rows, order, offsets = ops.dispatch(x, ids, e)
     out = C.combine(C.experts(rows, offsets, w_in, b_in, w_out, b_out, activation, gated), order, weights)
@@ -143,6 +152,32 @@ def test_cuda_backward_matches_reference(gated, bias):
         assert (g is None) == (w is None)
         if g is not None:
             assert _rel(g, w) <= 2e-2
+
+
+@needs_quack
+@pytest.mark.parametrize("activation,gated,bias", QUACK_ACTIVATIONS)
+@pytest.mark.parametrize("case", QUACK_CASES)
+def test_quack_training_matches_float32_reference(activation, gated, bias, case, monkeypatch):
+    """Training on QuACK: experts_train's output, then experts_backward's gradients from its kept h and from a
+    recomputed one, against the float32 reference's (dropped rows get no gradient, empty experts zero)."""
+    x, ids, weights, k, e, w_in, b_in, w_out, b_out = _quack_case(case, activation, gated, bias, monkeypatch)
+    assert C._trains_on_quack(x, w_in, w_out, activation, gated)
+    rows, order, offsets = ops.dispatch(x, ids, e)
+    kept = int(offsets[-1])
+    y, h_kept = C.experts_train(rows, offsets, w_in, b_in, w_out, b_out, activation, gated)
+    rows32, args32 = rows.float(), [None if t is None else t.float() for t in (w_in, b_in, w_out, b_out)]
+    assert _rel(y[:kept], R.experts(rows32, offsets, *args32, activation, gated)[:kept]) <= 1e-2
+    grad_y = torch.randn(rows.shape, generator=torch.Generator(device=DEVICE).manual_seed(2), device=DEVICE)
+    grad_y = grad_y.bfloat16().masked_fill_(torch.arange(rows.shape[0], device=DEVICE).unsqueeze(1) >= kept, 0)
+    backward_args = (grad_y, rows, offsets, w_in, b_in, w_out, activation, gated, b_out is not None)
+    want = R.experts_backward(grad_y.float(), rows32, offsets, args32[0], args32[1], args32[2], activation, gated,
+                              b_out is not None)
+    for got in (C.experts_backward(*backward_args, h=h_kept), C.experts_backward(*backward_args)):
+        for name, g, w in zip(("x", "w_in", "b_in", "w_out", "b_out"), got, want):
+            assert (g is None) == (w is None), name
+            if g is not None:
+                assert _rel(g, w) <= 2e-2, name
+        assert not got[0][kept:].any()  # dropped rows
 
 
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])

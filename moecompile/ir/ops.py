@@ -179,9 +179,10 @@ def _(x, offsets, w_in, b_in, w_out, b_out, activation, gated, interleaved=False
 def experts_train(x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor], w_out: Tensor,
                   b_out: Optional[Tensor], activation: str, gated: bool, interleaved: bool = False,
                   alpha: float = 1.702, limit: float = 7.0) -> tuple[Tensor, Tensor]:
-    """experts() for training: (y, h) with h = x W_in^T before the bias, kept for the backward, which then skips
-    recomputing the first projection (a quarter of its GEMM FLOPs) for N x F more activation memory. h is not
-    differentiable; rows past the groups are unspecified."""
+    """experts() for training: (y, h) with h the first projection, kept for the backward, which then skips
+    recomputing it (a quarter of its GEMM FLOPs) for N x F more activation memory. h is in the form the same device's
+    experts_backward reads (the reference's: x W_in^T before the bias); it is not differentiable and rows past the
+    groups are unspecified."""
     glu = glu_args(activation, interleaved, alpha, limit)
     return _experts_kernel("experts_train", x, glu).fn(x, offsets, w_in, b_in, w_out, b_out, activation, gated, *glu)
 
