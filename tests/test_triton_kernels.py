@@ -158,3 +158,12 @@ def test_quack_tile_configurations_are_data_of_known_fields():
         assert set(config) <= fields and config["tile_m"] % 64 == 0 and config["tile_n"] % 16 == 0
     assert C.quack_config("second", 768, 2048) is not None  # Qwen3-MoE's second projection was tuned
     assert C.quack_config("first", 3, 5) is None
+
+
+def test_quack_concatenated_columns_put_gate_columns_first():
+    """QuACK's gated tensors alternate gate / up columns; the bias gradient goes back to W_in's [gate | up] order."""
+    from moecompile.kernels import quack_gemm
+
+    gate, up = torch.randn(3, 5), torch.randn(3, 5)
+    alternating = torch.stack((gate, up), dim=-1).flatten(-2)
+    assert torch.equal(quack_gemm.concatenated_columns(alternating), torch.cat((gate, up), dim=-1))
