@@ -145,12 +145,17 @@ def sonic_module(ours, d, f, e, k):
     return sonic
 
 
-def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gathered):
+def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gathered, train_only=False):
     from moecompile.runtime import choices
 
     ours, hf = moe_layer.build(d, f, e, k)
     x = torch.randn(1, tokens, d, device="cuda", dtype=torch.bfloat16)
     x2 = x.reshape(-1, d)
+    if train_only:
+        sonic = attempt("SonicMoE build", lambda: sonic_module(ours, d, f, e, k), notes)
+        train_lines.append(train_row(name, ours, hf, sonic, x, notes))
+        print(train_lines[-1], flush=True)
+        return
     r = {}
     with torch.no_grad():
         ref = moe_layer.reference_fp32(ours, x, 0.0).reshape(x2.shape)
@@ -249,6 +254,7 @@ def main(argv=None):
     p.add_argument("--commit", default=None, help="the commit for the header where git is absent")
     p.add_argument("--gathered", action="store_true",
                    help="also the layer with QuACK's first projection gathering token rows (measured slower)")
+    p.add_argument("--train-only", action="store_true", help="only the training rows (of every --shapes shape)")
     a = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     start = time.time()
@@ -298,7 +304,7 @@ def main(argv=None):
 
     for name in a.shapes.split(","):
         shape_start = time.time()
-        run_shape(name, *SHAPES[name], out_lines, train_lines, notes, a.vllm, a.gathered)
+        run_shape(name, *SHAPES[name], out_lines, train_lines, notes, a.vllm, a.gathered, a.train_only)
         print(f"{name}: {time.time() - shape_start:.0f} s", flush=True)
         write()
     print("\n".join(write()))
