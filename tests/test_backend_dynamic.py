@@ -13,7 +13,19 @@ from moecompile import backend
 
 NO_INDUCTOR = {"inductor": False}
 FIRST, SECOND = 8, 5
-DYNAMIC = pytest.mark.parametrize("dynamic", [None, True], ids=["second-length", "dynamic"])
+
+
+def _lengths(cases, dynamic_in_make_test):
+    """Each case at a second length (a static graph, then a dynamic one) and with dynamic=True (one dynamic graph);
+    dynamic=True of the other cases, whose symbolic graphs their second length covers, in `make test-slow`."""
+    params = []
+    for case in cases:
+        values = case if isinstance(case, tuple) else (case,)
+        name = "-".join(map(str, values))
+        slow = () if case == dynamic_in_make_test else pytest.mark.slow
+        params += [pytest.param(*values, None, id=f"{name}-second-length"),
+                   pytest.param(*values, True, id=f"{name}-dynamic", marks=slow)]
+    return params
 
 
 @pytest.fixture(autouse=True)
@@ -64,8 +76,7 @@ def _check_lengths(model, dynamic, make_ids=token_ids, **options):
     return graphs[-1]
 
 
-@DYNAMIC
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, dynamic", _lengths(FAMILIES, "tiny-mixtral"))
 def test_hf_moe_families_on_dynamic_shapes(family, dynamic):
     record = _check_lengths(_one_moe_layer(tiny_moe(family)), dynamic)
     reports = dict(record.reports)
@@ -81,9 +92,9 @@ def _converted(family, method, capacity_factor):
                              progress=False)
 
 
-@DYNAMIC
-@pytest.mark.parametrize("family, method, capacity_factor", [("llama", "upcycle", 0.0), ("llama", "split", 1.0),
-                                                             ("gpt2", "split", 0.0)])
+@pytest.mark.parametrize("family, method, capacity_factor, dynamic",
+                         _lengths([("llama", "upcycle", 0.0), ("llama", "split", 1.0), ("gpt2", "split", 0.0)],
+                                  ("llama", "split", 1.0)))
 def test_converted_models_on_dynamic_shapes(family, method, capacity_factor, dynamic):
     """Split blocks weight each kept expert 1 (read off the expert ids before the dispatch); a capacity factor
     bounds each expert by the token count of each call, symbolic in the dynamic graph."""
