@@ -390,7 +390,7 @@ def test_argparse_errors_exit_2(capsys):
 
 # ----------------------------------------------------------------------------------------------- console script
 
-def test_console_script_success(tmp_path):
+def test_console_script_success(tmp_path, capsys):
     out = tmp_path / "out"
     p = run_script("convert", "tiny-gpt2", "--experts", "4", "--random-init", "--capacity-factor", "0",
                    "--out", out, "--no-progress")
@@ -402,9 +402,10 @@ def test_console_script_success(tmp_path):
     assert p.stderr.splitlines() == [
         "moecompile: WARNING: building tiny-gpt2 from its config with RANDOM weights (--random-init): outputs are "
         "meaningless until trained"]
-    p = run_script("inspect", out, "--json", "--no-progress")
-    assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout)["kind"] == "moe"
+    # in-process: inspect as a real process is test_full_gpt2_16_experts's (make test-slow)
+    rc, stdout, err = cli(capsys, "inspect", out, "--json", "--no-progress")
+    assert rc == 0, err
+    assert json.loads(stdout)["kind"] == "moe"
 
 
 def _console_script_errors(tmp_path, cases: dict) -> None:
