@@ -9,11 +9,18 @@ FAMILIES = tuple(TINY_MOE)
 MOE_LAYERS = {name: 1 if name == "tiny-deepseek-v3" else 2 for name in FAMILIES}
 
 
-def tiny_moe(name: str, seed: int = 0) -> torch.nn.Module:
+def tiny_moe(name: str, seed: int = 0, one_layer: bool = False) -> torch.nn.Module:
     """A tiny model of `name` in eval mode, float32, with random routers (HF initialises some to zeros) and a
-    random DeepSeek correction bias, so that routing, groups and biases all matter."""
+    random DeepSeek correction bias, so that routing, groups and biases all matter. one_layer: a single decoder
+    layer, an MoE layer in every family (half the tracing, for checks that do not need a second layer)."""
     torch.manual_seed(seed)
     config, arch = TINY_MOE[name]()
+    if one_layer:
+        config.num_hidden_layers = 1
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[-1:]
+        if getattr(config, "first_k_dense_replace", None):
+            config.first_k_dense_replace = 0
     model = getattr(transformers, arch)(config).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():

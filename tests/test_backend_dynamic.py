@@ -13,7 +13,19 @@ from moecompile import backend
 
 NO_INDUCTOR = {"inductor": False}
 FIRST, SECOND = 8, 5
-DYNAMIC = pytest.mark.parametrize("dynamic", [None, True], ids=["second-length", "dynamic"])
+
+
+def _lengths(cases, dynamic_in_make_test):
+    """Each case at a second length (a static graph, then a dynamic one) and with dynamic=True (one dynamic graph);
+    dynamic=True of the other cases, whose symbolic graphs their second length covers, in `make test-slow`."""
+    params = []
+    for case in cases:
+        values = case if isinstance(case, tuple) else (case,)
+        name = "-".join(map(str, values))
+        slow = () if case == dynamic_in_make_test else pytest.mark.slow
+        params += [pytest.param(*values, None, id=f"{name}-second-length"),
+                   pytest.param(*values, True, id=f"{name}-dynamic", marks=slow)]
+    return params
 
 
 @pytest.fixture(autouse=True)
@@ -64,8 +76,7 @@ def _check_lengths(model, dynamic, make_ids=token_ids, **options):
     return graphs[-1]
 
 
-@DYNAMIC
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, dynamic", _lengths(FAMILIES, "tiny-mixtral"))
 def test_hf_moe_families_on_dynamic_shapes(family, dynamic):
     record = _check_lengths(_one_moe_layer(tiny_moe(family)), dynamic)
     reports = dict(record.reports)
@@ -81,9 +92,9 @@ def _converted(family, method, capacity_factor):
                              progress=False)
 
 
-@DYNAMIC
-@pytest.mark.parametrize("family, method, capacity_factor", [("llama", "upcycle", 0.0), ("llama", "split", 1.0),
-                                                             ("gpt2", "split", 0.0)])
+@pytest.mark.parametrize("family, method, capacity_factor, dynamic",
+                         _lengths([("llama", "upcycle", 0.0), ("llama", "split", 1.0), ("gpt2", "split", 0.0)],
+                                  ("llama", "split", 1.0)))
 def test_converted_models_on_dynamic_shapes(family, method, capacity_factor, dynamic):
     """Split blocks weight each kept expert 1 (read off the expert ids before the dispatch); a capacity factor
     bounds each expert by the token count of each call, symbolic in the dynamic graph."""
@@ -131,9 +142,9 @@ def test_generate_on_a_split_checkpoint_matches_hf(tmp_path):
     assert all(dict(r.reports)["fuse_route_dispatch"]["fused"] for r in _compiled_graphs())
 
 
-def test_fp8_and_training_graphs_on_dynamic_shapes():
-    """insert_fp8 (inference) and keep_first_projection (a training graph) on dynamic=True graphs: FP8 logits
-    within FP8's error of eager, gradients equal to eager's, at two lengths each from one graph."""
+def test_fp8_graphs_on_dynamic_shapes():
+    """insert_fp8 (inference) on a dynamic=True graph of an HF family: FP8 logits within FP8's error of eager, at
+    two lengths from one graph."""
     model = _one_moe_layer(tiny_moe("tiny-qwen3-moe"))
     compiled = torch.compile(model, backend="moecompile", fullgraph=True, dynamic=True,
                              options={**NO_INDUCTOR, "fp8": True})
@@ -145,10 +156,11 @@ def test_fp8_and_training_graphs_on_dynamic_shapes():
     (record,) = _compiled_graphs()
     assert _symbolic(record.graph_module) and dict(record.reports)["insert_fp8"]["rewritten"]
 
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    backend.clear_records()
-    model.train()
+
+def test_training_graphs_on_dynamic_shapes():
+    """keep_first_projection (a training graph) on a dynamic=True graph: gradients equal to eager's, at two
+    lengths from one graph."""
+    model = _one_moe_layer(tiny_moe("tiny-qwen3-moe")).train()
     compiled = torch.compile(model, backend="moecompile", fullgraph=True, dynamic=True, options=NO_INDUCTOR)
     for length in (FIRST, SECOND):
         ids = token_ids(length=length)

@@ -352,10 +352,11 @@ def test_packaged_text_shares_nothing_with_evaluation_text_and_carries_its_licen
 
     other = set(calib_data.other_sentences())
     assert all(8 <= len(s.split()) <= 40 for s in other)
-    evaluation = {s for pool in calib_data.dependency_sentences(512).values() for s in pool}
+    pools = calib_data.dependency_sentences(512)
+    evaluation = {s for pool in pools.values() for s in pool}
     assert len(evaluation) > 2000 and not other & evaluation
     licences = set(calib_data.distribution_sentences(calib_data._dependencies(), readmes=False))
-    assert licences and licences < set(calib_data.distribution_sentences(calib_data._dependencies()))
+    assert licences and licences < set(pools["readmes"])  # (the READMEs' and licences' sentences)
     assert not set(calib_data._dependencies()) & set(other_text.DOCSTRINGS.values())
     headers = [line for line in other_text.LICENCES.read_text(encoding="utf-8").splitlines()
                if line.startswith("==== ")]

@@ -1,15 +1,18 @@
 """Expert parallelism on CPU with gloo, 2 and 4 processes: outputs and gradients against the single-process model.
 
-Every spawned run does many checks in one go (starting processes costs ~10 s each on 2 cores): each rank computes
+Every spawned run does many checks in one go, once per test run (the xdist workers share it): each rank computes
 the single-process reference itself, records the error of every check (or the message of an expected error) in a
 JSON file, and the tests below assert on them. Errors are relative to the reference's largest magnitude (>= 1).
+The ranks are forked from the test process, which has imported torch and transformers already.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from filelock import FileLock
 
 import moecompile
 from moecompile import MoEBlock, MoECompileError, MoEConfig
@@ -54,8 +58,24 @@ def _expect_error(fn) -> str:
 
 
 def _spawn(worker, world: int, tmp: Path, *args) -> list[dict]:
-    mp.spawn(worker, args=(world, _port(), str(tmp), *args), nprocs=world)
+    mp.start_processes(worker, args=(world, _port(), str(tmp), *args), nprocs=world, start_method="fork")
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _once(tmp_path_factory, name: str, make) -> tuple[list[dict], Path]:
+    """make(folder)'s results, computed once per test run: under xdist the first worker to ask runs it in a folder
+    all workers share, the others wait for it and read its results."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        folder = tmp_path_factory.mktemp(name)
+        return make(folder), folder
+    root = tmp_path_factory.getbasetemp().parent  # the run's folder, above each worker's own
+    folder, results = root / name, root / f"{name}.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not results.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker's failed attempt
+            folder.mkdir()
+            results.write_text(json.dumps(make(folder)))
+    return json.loads(results.read_text()), folder
 
 
 def _init(rank, world, port, timeout=60):
@@ -486,8 +506,7 @@ def _worker4(rank, world, port, tmp):
 
 @pytest.fixture(scope="module")
 def four_ranks_dir(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ep4")
-    return _spawn(_worker4, 4, tmp), tmp
+    return _once(tmp_path_factory, "ep4", lambda tmp: _spawn(_worker4, 4, tmp))
 
 
 @pytest.fixture(scope="module")
@@ -497,7 +516,7 @@ def four_ranks(four_ranks_dir):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, four_ranks_dir):
-    return _spawn(_worker2, 2, tmp_path_factory.mktemp("ep2"), str(four_ranks_dir[1] / "dcp"))
+    return _once(tmp_path_factory, "ep2", lambda tmp: _spawn(_worker2, 2, tmp, str(four_ranks_dir[1] / "dcp")))[0]
 
 
 def _errors(results: list[dict], prefix: str) -> dict[str, float]:
@@ -672,24 +691,76 @@ def test_checkpoint_cli_and_bad_input(whole_checkpoint, tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-# ---- the example, under torchrun
+# ---- the example: its ranks forked here in torchrun's environment; under torchrun itself in `make test-slow`
 
-def test_ep_train_example_under_torchrun(tmp_path):
-    save = tmp_path / "ep"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "moecompile.examples.ep_train", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
-           "--overlap-degree", "2", "--save", str(save)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)  # (conftest.py)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "ranks: 2 (gloo)" in proc.stdout and "(2 per rank)" in proc.stdout, proc.stdout
-    losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert len(losses) == 3 and losses[-1] < losses[0], proc.stdout
-    assert "mesh: dp 1 x ep 2" in proc.stdout, proc.stdout
+def _example_rank(rank, world, port, tmp, argv):
+    """One rank of ep_train with the environment torchrun gives it; its exit code and printout in tmp."""
+    from moecompile.examples import ep_train
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_RUN_ID="test")
+    os.chdir(tmp)
+    with open(f"rank{rank}.out", "w") as f, contextlib.redirect_stdout(f):
+        code = ep_train.main(argv)
+    Path(f"rank{rank}.json").write_text(json.dumps(code))
+
+
+def _example(tmp: Path, *argv: str) -> str:
+    """Rank 0's printout of ep_train on 2 ranks; both must exit 0."""
+    assert _spawn(_example_rank, 2, tmp, list(argv)) == [0, 0], (tmp / "rank0.out").read_text()
+    return (tmp / "rank0.out").read_text()
+
+
+def _assert_example_trained(stdout: str, banner: str) -> None:
+    assert banner in stdout and "(2 per rank)" in stdout, stdout
+    losses = [float(line.split()[3]) for line in stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0], stdout
+
+
+def _assert_example_saved(save: Path, tmp: Path) -> None:
     from moecompile.parallel import dcp as dcp_io
 
-    dcp_io.export(save, tmp_path / "whole")
-    assert len(moecompile.load(tmp_path / "whole", progress=False).moe_layout) == 2
+    dcp_io.export(save, tmp / "whole")
+    assert len(moecompile.load(tmp / "whole", progress=False).moe_layout) == 2
+
+
+EXAMPLE_ARGS = ("--steps", "3", "--batch-size", "2", "--seq-len", "16")
+
+
+def test_ep_train_example(tmp_path):
+    stdout = _example(tmp_path, *EXAMPLE_ARGS, "--overlap-degree", "2", "--save", str(tmp_path / "ep"))
+    _assert_example_trained(stdout, "ranks: 2 (gloo)")
+    assert "mesh: dp 1 x ep 2" in stdout, stdout
+    _assert_example_saved(tmp_path / "ep", tmp_path)
+
+
+def test_ep_train_example_lightning_model_parallel_strategy(tmp_path):
+    stdout = _example(tmp_path, "--lightning", *EXAMPLE_ARGS, "--parallel", "dp")
+    _assert_example_trained(stdout, "ranks: 2 (gloo, lightning")
+
+
+def _torchrun_example(tmp: Path, *argv: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "-m", "moecompile.examples.ep_train", *EXAMPLE_ARGS, *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp)  # (conftest.py)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_ep_train_example_under_torchrun(tmp_path):
+    stdout = _torchrun_example(tmp_path, "--overlap-degree", "2", "--save", str(tmp_path / "ep"))
+    _assert_example_trained(stdout, "ranks: 2 (gloo)")
+    assert "mesh: dp 1 x ep 2" in stdout, stdout
+    _assert_example_saved(tmp_path / "ep", tmp_path)
+
+
+@pytest.mark.slow
+def test_ep_train_example_lightning_under_torchrun(tmp_path):
+    stdout = _torchrun_example(tmp_path, "--lightning", "--parallel", "dp")
+    _assert_example_trained(stdout, "ranks: 2 (gloo, lightning")
 
 
 # ---- a (dp, ep) mesh under FSDP2, DCP, the dp/ep switch (4 processes; the DCP checkpoint also on 2 and 1)
@@ -732,15 +803,3 @@ def test_parallel_switch_dp_and_ep_agree(four_ranks):
         _assert_close(four_ranks, f"switch/{mode}/")
     _assert_close(four_ranks, "switch/kwarg")
     assert "parallel must be one of" in four_ranks[0]["switch/bad_mode"]
-
-
-def test_ep_train_example_under_lightning_model_parallel_strategy(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "moecompile.examples.ep_train", "--lightning", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
-           "--parallel", "dp"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "ranks: 2 (gloo, lightning" in proc.stdout and "(2 per rank)" in proc.stdout, proc.stdout
-    losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert len(losses) == 3 and losses[-1] < losses[0], proc.stdout

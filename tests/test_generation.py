@@ -40,7 +40,7 @@ def test_decode_step_on_direct_experts_matches_hf(family, monkeypatch):
     from moecompile.passes import direct_experts
 
     monkeypatch.setattr(direct_experts, "MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
-    model = tiny_moe(family)
+    model = tiny_moe(family, one_layer=True)
     model.generation_config.eos_token_id = None
     ids = token_ids(batch=2, length=6)
     backend.clear_records()
@@ -59,7 +59,7 @@ def test_matrix_vector_decode_only_at_one_token(family, cases):
     batch-2 step and the option turned off are not."""
     from moecompile import backend
 
-    model = tiny_moe(family)
+    model = tiny_moe(family, one_layer=True)
     model.generation_config.eos_token_id = None
     for batch, options, step_matvec in cases:
         backend.clear_records()
@@ -125,7 +125,7 @@ def test_greedy_settings_and_one_candidate_sampling_give_hf_greedy():
 def test_a_seed_reproduces_sampled_tokens():
     """The compiled step (its end-of-sequence padding included) samples the tokens the eager step samples with the
     same seed; another seed gives other tokens; without a seed, torch.manual_seed makes the call reproducible."""
-    model = tiny_moe("tiny-mixtral")
+    model = tiny_moe("tiny-mixtral", one_layer=True)
     ids = token_ids(batch=2, length=6)
     sample = dict(do_sample=True, temperature=1.5, top_p=0.95, min_p=0.01, eos_token_id=[1, 2], pad_token_id=0)
     compiled = generate(model, ids, 8, seed=7, options={"inductor": False}, **sample)
