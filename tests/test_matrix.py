@@ -288,8 +288,6 @@ MOECOMPILE_FORMAT = ["gpt2-upcycle", "gpt2-split", "bert-upcycle", "bert-split",
 HF_FAMILIES = [r for r in ROUTES if r.startswith("hf-")]
 NATIVE = ["llama-native", "mistral-native", "qwen2-native", "qwen3-native", "llama-native-fp8"]
 DYNAMIC_TEST = "tests/test_backend_dynamic.py::test_hf_moe_families_on_dynamic_shapes"
-# its dynamic=True cases beyond tiny-mixtral run in make test-slow; every family's second length runs in make test
-DYNAMIC_SLOW = f"{DYNAMIC_TEST} (make test-slow but for tiny-mixtral)"
 CELLS: dict[tuple[str, str], tuple[str, str]] = {
     **{(r, "transformers"): ("refused", "moecompile's format: transformers refuses its model type "
                                         '"moecompile-checkpoint: load it with moecompile.load"')
@@ -302,7 +300,7 @@ CELLS: dict[tuple[str, str], tuple[str, str]] = {
     # the backend, generate and the experts integration on every HF family: their own tests
     **{(r, c): ("same", f"as {t}") for r in HF_FAMILIES for c, t in [
         ("compile", "tests/test_backend.py::test_compiled_matches_eager"),
-        ("compile-2nd-length", DYNAMIC_TEST), ("compile-dynamic", DYNAMIC_SLOW),
+        ("compile-2nd-length", DYNAMIC_TEST), ("compile-dynamic", DYNAMIC_TEST),
         ("moecompile.compile", "tests/test_backend_dynamic.py::test_recorded_capacity_factor_applies_alike"),
         ("generate", "tests/test_generation.py::test_compiled_decode_step_matches_hf"),
         ("hf-experts", "tests/test_backend.py::test_hf_experts_implementation")]},
@@ -313,14 +311,14 @@ CELLS: dict[tuple[str, str], tuple[str, str]] = {
     # native outputs are HF classes: the consumers of the family's HF model
     # (the HF families' tests above run each class; the native conversions' own weights are checked by load)
     **{(r, c): ("same", f"as {t} (the same class)") for r in ("mistral-native", "llama-native-fp8", "qwen3-native")
-       for c, t in [("compile-2nd-length", DYNAMIC_TEST), ("compile-dynamic", DYNAMIC_SLOW),
+       for c, t in [("compile-2nd-length", DYNAMIC_TEST), ("compile-dynamic", DYNAMIC_TEST),
                     ("generate", "tests/test_generation.py::test_compiled_decode_step_matches_hf"),
                     ("hf-experts", "tests/test_backend.py::test_hf_experts_implementation")]},
     # Qwen2-MoE with its empty shared expert: the static compile runs here (fuse_projections leaves the empty weights
     # alone); the rest is the HF class's path
     **{("qwen2-native", c): ("same", f"as {t} (the same class; the empty shared expert: "
                                      "tests/test_fuse_projections.py::test_empty_shared_expert_loaded_from_disk_is_left_alone)")
-       for c, t in [("compile-2nd-length", DYNAMIC_TEST), ("compile-dynamic", DYNAMIC_SLOW),
+       for c, t in [("compile-2nd-length", DYNAMIC_TEST), ("compile-dynamic", DYNAMIC_TEST),
                     ("generate", "tests/test_generation.py::test_compiled_decode_step_matches_hf")]},
     # moecompile's format: one model class per family, the same MoEBlock; moecompile.compile is torch.compile
     **{(r, "moecompile.compile"): ("same", "as `torch.compile` static (with the recorded options)")
