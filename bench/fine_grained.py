@@ -45,6 +45,7 @@ SHAPES = {  # name: (d, f, E, k, tokens), in the order a run cut short should ke
 }
 GEMM_KERNELS = ("triton_persistent", "grouped_mm", "quack")
 TRAIN_SHAPES = ("qwen3-moe", "mixtral")  # the training targets
+WITH_SONIC = True  # --no-sonic: its autotuning compiles for minutes per shape
 TRAIN_COLUMNS = ("ours", "ours quack", "ours grouped_mm", "HF grouped_mm", "SonicMoE")
 
 bench = moe_layer.bench
@@ -133,6 +134,8 @@ def gathered_quack(ours, x2, k, interleaved):
 
 
 def sonic_module(ours, d, f, e, k):
+    if not WITH_SONIC:
+        return None
     from sonicmoe import MoE
     from sonicmoe.enums import ActivationType
 
@@ -255,7 +258,10 @@ def main(argv=None):
     p.add_argument("--gathered", action="store_true",
                    help="also the layer with QuACK's first projection gathering token rows (measured slower)")
     p.add_argument("--train-only", action="store_true", help="only the training rows (of every --shapes shape)")
+    p.add_argument("--no-sonic", action="store_true", help="without SonicMoE")
     a = p.parse_args(argv)
+    global WITH_SONIC
+    WITH_SONIC = not a.no_sonic
     torch.backends.cuda.matmul.allow_tf32 = False
     start = time.time()
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

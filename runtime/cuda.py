@@ -127,7 +127,7 @@ def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: 
 def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gated: bool, has_b_out: bool, h=None):
     if not grouped_mm.supported(x, w_in, w_out):
         return reference.experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, h=h)
-    num_experts, n_rows = w_in.shape[0], x.shape[0]
+    num_experts = w_in.shape[0]
     on_quack = _trains_on_quack(x, w_in, w_out, activation, gated)
     if on_quack:
         if h is None:  # experts() kept nothing: recompute the first projection
@@ -142,8 +142,7 @@ def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gat
         grad_w_out = grouped_mm.grouped(grad_y.t(), a, offsets)
         grad_w_in = grouped_mm.grouped(grad_h.t(), x, offsets)
         grad_x = grouped_mm.grouped(grad_h, w_in, offsets)
-    dropped = (torch.arange(n_rows, device=x.device) >= offsets[-1]).unsqueeze(1)
-    grad_x.masked_fill_(dropped, 0)
+    triton_moe.zero_rows_past_groups(grad_x, offsets)
     grad_b_in = None
     if b_in is not None:
         grad_b_in = grouped_mm.segment_sum(grad_h, offsets, num_experts)

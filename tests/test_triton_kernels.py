@@ -167,3 +167,11 @@ def test_quack_concatenated_columns_put_gate_columns_first():
     gate, up = torch.randn(3, 5), torch.randn(3, 5)
     alternating = torch.stack((gate, up), dim=-1).flatten(-2)
     assert torch.equal(quack_gemm.concatenated_columns(alternating), torch.cat((gate, up), dim=-1))
+
+
+@pytest.mark.parametrize("counts", [[4, 0, 6, 3], [5, 0, 0, 10], [0, 0, 0, 0]])  # dropped tail, none, all
+def test_zero_rows_past_groups_touches_only_the_dropped_rows(counts):
+    t = torch.randn(15, 300)
+    want = t.clone()
+    want[sum(counts):] = 0
+    assert torch.equal(triton_moe.zero_rows_past_groups(t, _offsets(counts), block_r=4, block_c=128), want)

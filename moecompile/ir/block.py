@@ -14,14 +14,33 @@ from moecompile.ir.knobs import check_top_k
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Router logits in float32 whatever the model dtype. On CUDA with 16-bit inputs the product runs on tensor
     cores with a float32 output (products of 16-bit values are exact in float32; only the summation order
-    differs from upcasting first), instead of an upcast copy of x and a float32 GEMM. Autocast does not apply."""
+    differs from upcasting first), instead of an upcast copy of x and a float32 GEMM; so too in eager training.
+    Autocast does not apply."""
     if torch.is_autocast_enabled(x.device.type):  # (checked first: no autocast region in graphs captured without it)
         with torch.autocast(x.device.type, enabled=False):
             return router_logits(x, weight)
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and not needs_grad:
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)  # (no derivative for this overload)
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+        if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)  # (no derivative for this overload)
+        if not torch.compiler.is_compiling():  # captured graphs keep the float32 linear fuse_route_dispatch matches
+            return _Float32Logits.apply(x, weight)
     return F.linear(x.float(), weight.float())
+
+
+class _Float32Logits(torch.autograd.Function):
+    """x W^T with a float32 output on tensor cores; the backward's GEMMs in x's dtype (the logits' gradient rounded
+    to it, as a router run in the model dtype has it), accumulating in float32."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_logits):
+        x, weight = ctx.saved_tensors
+        grad = grad_logits.to(x.dtype)
+        return grad @ weight, grad.t() @ x
 
 
 class MoEExperts(nn.Module):
