@@ -107,12 +107,14 @@ def second_projection(a: torch.Tensor, cu_seqlens: torch.Tensor, w_out: torch.Te
 
 
 def backward(grad_y: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor, w_in: torch.Tensor,
-             w_out: torch.Tensor, h: torch.Tensor, activation: str,
-             gated: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             w_out: torch.Tensor, h: torch.Tensor, activation: str, gated: bool,
+             configs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x, grad_w_in, grad_w_out, grad_h) of the experts given first_projection_train's h, in four QuACK GEMMs:
     grad_h = act'(h) * (grad_y W_out[e]) with the activation recomputed in the same epilogue, grad_w_out and grad_w_in
     as GEMMs over each group's rows (varlen K: an empty group's gradient is zero), grad_x = grad_h W_in[e]. grad_h
-    is in h's layout; grad_x rows past the last group are left unwritten. QuACK's default tile configurations."""
+    is in h's layout; grad_x rows past the last group are left unwritten. configs: GemmConfig fields by GEMM name
+    ("data", "weight_out", "weight_in", "input"); QuACK's default where a name is missing."""
+    configs = {name: gemm_config(config) for name, config in (configs or {}).items()}
     quack = _quack()
     grad_h = torch.empty_like(h)
     a = x.new_empty(x.shape[0], w_out.shape[2])
@@ -121,12 +123,14 @@ def backward(grad_y: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor, w_
         return grad_x, grad_w_in.zero_(), grad_w_out.zero_(), grad_h
     act = ACTIVATIONS[(activation, gated)]
     data = quack.gemm_dgated_tuned.fn if gated else quack.gemm_dact_tuned.fn
-    data(grad_y, w_out, h, grad_h, a, activation=act, cu_seqlens_m=cu_seqlens, dynamic_scheduler=False)
-    quack.gemm_tuned.fn(grad_y.t(), a, grad_w_out, cu_seqlens_k=cu_seqlens)
+    data(grad_y, w_out, h, grad_h, a, activation=act, cu_seqlens_m=cu_seqlens, dynamic_scheduler=False,
+         config=configs.get("data"))
+    quack.gemm_tuned.fn(grad_y.t(), a, grad_w_out, cu_seqlens_k=cu_seqlens, config=configs.get("weight_out"))
     # gated grad_h alternates gate / up columns; W_in and its gradient keep gate rows first (QuACK's concat layout)
     quack.gemm_tuned.fn(x.t(), grad_h, grad_w_in.transpose(1, 2), cu_seqlens_k=cu_seqlens,
-                        concat_layout=("out",) if gated else None)
-    quack.gemm_tuned.fn(grad_h, w_in, grad_x, cu_seqlens_m=cu_seqlens, concat_layout=("B",) if gated else None)
+                        concat_layout=("out",) if gated else None, config=configs.get("weight_in"))
+    quack.gemm_tuned.fn(grad_h, w_in, grad_x, cu_seqlens_m=cu_seqlens, concat_layout=("B",) if gated else None,
+                        config=configs.get("input"))
     return grad_x, grad_w_in, grad_w_out, grad_h
 
 

@@ -95,8 +95,23 @@ def expert_gemm_kernels(rows: int, hidden: int, expert_size: int, num_experts: i
 
 
 def quack_key(projection: str, k: int, n: int, gathered: bool = False) -> str:
-    """The quack_gemm.json key of one expert GEMM: projection "first" / "second", its K and N, gathered A rows."""
+    """The quack_gemm.json key of one expert GEMM: projection "first" / "second" (or a training backward GEMM,
+    quack_backward_sizes), its K and N, gathered A rows."""
     return f"{projection},k={k},n={n}" + (",gathered" if gathered else "")
+
+
+def quack_backward_sizes(hidden: int, expert_size: int, expert_in_features: int) -> dict[str, tuple[int, int]]:
+    """The (k, n) of each QuACK GEMM of the experts' backward, by the name kernels/quack_gemm.backward gives it: data
+    = grad_y W_out with the activation's derivative, input = grad_h W_in; the weight gradients' K is each group's
+    rows, so their k and n are the gradient's rows and columns."""
+    return {"data": (hidden, expert_size), "weight_out": (hidden, expert_size),
+            "weight_in": (hidden, expert_in_features), "input": (expert_in_features, hidden)}
+
+
+def quack_backward_configs(hidden: int, expert_size: int, expert_in_features: int) -> dict[str, dict | None]:
+    """quack_config of each backward GEMM (quack_backward_sizes), by name."""
+    return {name: quack_config(name, k, n)
+            for name, (k, n) in quack_backward_sizes(hidden, expert_size, expert_in_features).items()}
 
 
 @functools.cache

@@ -132,8 +132,9 @@ def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gat
     if on_quack:
         if h is None:  # experts() kept nothing: recompute the first projection
             h = _quack_first_projection_train(x, offsets, w_in, b_in, activation, gated)[1]
+        configs = choices.quack_backward_configs(x.shape[1], w_out.shape[2], w_in.shape[1])
         grad_x, grad_w_in, grad_w_out, grad_h = quack_gemm.backward(
-            grad_y, x, quack_gemm.group_starts(offsets), w_in, w_out, h, activation, gated)
+            grad_y, x, quack_gemm.group_starts(offsets), w_in, w_out, h, activation, gated, configs)
     else:
         if h is None:
             h = grouped_mm.grouped(x, w_in.transpose(-2, -1), offsets)

@@ -175,3 +175,13 @@ def test_zero_rows_past_groups_touches_only_the_dropped_rows(counts):
     want = t.clone()
     want[sum(counts):] = 0
     assert torch.equal(triton_moe.zero_rows_past_groups(t, _offsets(counts), block_r=4, block_c=128), want)
+
+
+def test_quack_backward_configurations_are_looked_up_by_gemm_name(monkeypatch):
+    """The training backward's QuACK GEMMs find their tuned configurations under their own names and sizes."""
+    from moecompile.runtime import choices as C
+
+    table = {"data,k=8,n=4": {"tile_m": 128}, "input,k=16,n=8": {"tile_m": 64}, "second,k=4,n=8": {"tile_m": 192}}
+    monkeypatch.setattr(C, "_quack_table", lambda: table)
+    assert C.quack_backward_configs(8, 4, 16) == {"data": {"tile_m": 128}, "weight_out": None, "weight_in": None,
+                                                  "input": {"tile_m": 64}}
