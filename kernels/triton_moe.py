@@ -240,13 +240,13 @@ def combine_backward(grad_out, expert_out, order, weights, block_t: int = 16, bl
 
 
 @triton.jit
-def _zero_rows_past_groups_kernel(t_ptr, offsets_ptr, n_rows, width, num_experts, BLOCK_R: tl.constexpr,
+def _zero_rows_past_groups_kernel(t_ptr, offsets_ptr, n_rows, width, row_stride, num_experts, BLOCK_R: tl.constexpr,
                                   BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     past = (rows >= tl.load(offsets_ptr + num_experts - 1)) & (rows < n_rows)
     for c0 in range(0, width, BLOCK_C):  # every store masked off where no row is past the groups: no traffic
         cols = c0 + tl.arange(0, BLOCK_C)
-        tl.store(t_ptr + rows[:, None].to(tl.int64) * width + cols[None, :],
+        tl.store(t_ptr + rows[:, None].to(tl.int64) * row_stride + cols[None, :],
                  tl.zeros((BLOCK_R, BLOCK_C), dtype=t_ptr.dtype.element_ty),
                  mask=past[:, None] & (cols < width)[None, :])
 
@@ -254,10 +254,10 @@ def _zero_rows_past_groups_kernel(t_ptr, offsets_ptr, n_rows, width, num_experts
 def zero_rows_past_groups(t: torch.Tensor, offsets: torch.Tensor, block_r: int = 64,
                           block_c: int = 256) -> torch.Tensor:
     """Zero t's rows at or past offsets[-1] (dropped assignments) in place, reading the end on the device: only
-    those rows are written, where a masked fill would read and write every row."""
+    those rows are written, where a masked fill would read and write every row. t: rows of unit column stride."""
     if t.shape[0] and offsets.numel():
         _zero_rows_past_groups_kernel[(triton.cdiv(t.shape[0], block_r),)](
-            t, offsets, t.shape[0], t.shape[1], offsets.numel(), BLOCK_R=block_r, BLOCK_C=block_c)
+            t, offsets, t.shape[0], t.shape[1], t.stride(0), offsets.numel(), BLOCK_R=block_r, BLOCK_C=block_c)
     return t
 
 
