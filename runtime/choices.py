@@ -85,12 +85,16 @@ def expert_gemm_table() -> tuple[dict, dict]:
     return default, tuned
 
 
-def expert_gemm_kernels(rows: int, hidden: int, expert_size: int, num_experts: int) -> tuple[str, str]:
-    """(first, second projection) kernel for this shape: FFN_IN / FFN_OUT when set, else the tuned choice, else the
-    default of the regime."""
+def expert_gemm_kernels(rows: int, hidden: int, expert_size: int, num_experts: int,
+                        training: bool = False) -> tuple[str, str]:
+    """(first, second projection) kernel for this shape: FFN_IN / FFN_OUT when set, else the tuned choice (a batch
+    in training: the shape's "train" entry where it has one, measured on whole training steps), else the default of
+    the regime."""
     default, tuned = expert_gemm_table()
     shape_regime = regime(rows, num_experts)
-    first, second = tuned.get((hidden, expert_size, num_experts, shape_regime), default[shape_regime])
+    shape = (hidden, expert_size, num_experts)
+    pair = tuned.get((*shape, "train")) if training and shape_regime == "batch" else None
+    first, second = pair or tuned.get((*shape, shape_regime), default[shape_regime])
     return (first if FFN_IN == "auto" else FFN_IN), (second if FFN_OUT == "auto" else FFN_OUT)
 
 

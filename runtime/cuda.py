@@ -59,8 +59,8 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
     return (weights, ids, *dispatch(hidden, ids, router_weight.shape[0]))
 
 
-def _projection_kernels(x, w_in, w_out, activation: str, gated: bool) -> tuple[str, str]:
-    first, second = choices.expert_gemm_kernels(x.shape[0], x.shape[1], w_out.shape[2], w_out.shape[0])
+def _projection_kernels(x, w_in, w_out, activation: str, gated: bool, training: bool = False) -> tuple[str, str]:
+    first, second = choices.expert_gemm_kernels(x.shape[0], x.shape[1], w_out.shape[2], w_out.shape[0], training)
     if "quack" in (first, second) and not quack_gemm.supported(x, w_in, w_out, activation, gated):
         first, second = (choices.QUACK_FALLBACK if v == "quack" else v for v in (first, second))
     if not triton_moe.tma_supported(x, w_in):  # unaligned rows: the pointer-load kernel
@@ -101,9 +101,9 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
 
 
 def _trains_on_quack(x, w_in, w_out, activation: str, gated: bool) -> bool:
-    """Whether training runs its GEMMs on QuACK: where inference takes QuACK's first projection. experts_train and
+    """Whether training runs its GEMMs on QuACK: where training's first projection is QuACK's. experts_train and
     experts_backward both ask, so the h one keeps is the h the other reads."""
-    return _projection_kernels(x, w_in, w_out, activation, gated)[0] == "quack"
+    return _projection_kernels(x, w_in, w_out, activation, gated, training=True)[0] == "quack"
 
 
 def _quack_first_projection_train(x, offsets, w_in, b_in, activation: str, gated: bool):
@@ -121,7 +121,8 @@ def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: 
         a, h = _quack_first_projection_train(x, offsets, w_in, b_in, activation, gated)
     else:
         a, h = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
-    return _second_projection(a, offsets, w_out, b_out, _projection_kernels(x, w_in, w_out, activation, gated)[1]), h
+    second = _projection_kernels(x, w_in, w_out, activation, gated, training=True)[1]
+    return _second_projection(a, offsets, w_out, b_out, second), h
 
 
 def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gated: bool, has_b_out: bool, h=None):

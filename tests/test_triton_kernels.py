@@ -134,7 +134,10 @@ def test_cuda_kernel_choice_follows_the_measurements(monkeypatch):
     kernels = C.expert_gemm_kernels
     assert kernels(32768, 7168, 2048, 256) == ("triton_persistent", "triton_persistent")  # DeepSeek-V3, batch
     assert kernels(8192, 4096, 14336, 8) == ("triton_persistent", "triton_persistent")  # Mixtral, batch
+    assert kernels(8192, 4096, 14336, 8, training=True) == ("quack", "quack")  # Mixtral, training steps measured
     assert kernels(128, 4096, 14336, 8) == ("triton_decode", "triton_decode")  # Mixtral, decode
+    assert kernels(128, 4096, 14336, 8, training=True) == ("triton_decode", "triton_decode")
+    assert kernels(65536, 2048, 1408, 60, training=True) == ("triton_persistent", "triton_persistent")  # no train entry
     assert kernels(65536, 2048, 1408, 60) == ("triton_persistent", "triton_persistent")  # Qwen2-MoE, batch
     assert kernels(65536, 2048, 768, 128) == ("quack", "quack")  # Qwen3-MoE, batch (Triton where QuACK is missing)
     assert kernels(4096, 1000, 500, 8) == ("triton_persistent", "triton_persistent")  # unmeasured, batch
