@@ -131,8 +131,8 @@ class MoEBlock(nn.Module):
                 out = out + self._shared_out(x)
             if self.compensation is not None:
                 out = out + self._compensation_out(x, expert_ids)
-            if self.training and x.shape[0] > 0:
-                self.aux_loss = self._aux_loss(logits, top_k)
+            if self.training and x.shape[0] > 0:  # dropless: route's ids are the top-k choices
+                self.aux_loss = self._aux_loss(logits, top_k, expert_ids if capacity_factor == 0 else None)
             if self.track_routing and not torch.compiler.is_exporting():  # export would leave fake tensors here
                 self.routing = self._routing(logits, expert_ids, top_k)
         if self.bias is not None:
@@ -177,12 +177,14 @@ class MoEBlock(nn.Module):
             unused = 1.0 - x.new_zeros(x.shape[0], e + 1).scatter(1, expert_ids, 1.0)[:, :e]
         return unused @ self.compensation.to(x.dtype)
 
-    def _aux_loss(self, logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    def _aux_loss(self, logits: torch.Tensor, top_k: int, chosen: torch.Tensor | None = None) -> torch.Tensor:
         """Switch/GShard load balancing E * sum_e f_e P_e (f: fraction of top-k choices, P: mean router
-        probability) plus the ST-MoE z-loss mean(logsumexp(logits)^2), each times its coefficient."""
+        probability) plus the ST-MoE z-loss mean(logsumexp(logits)^2), each times its coefficient. chosen: the
+        top-k choices where already known."""
         c = self.config
         probs = torch.softmax(logits, dim=-1)
-        chosen = torch.topk(logits, top_k, dim=-1).indices
+        if chosen is None:
+            chosen = torch.topk(logits, top_k, dim=-1).indices
         fraction = F.one_hot(chosen, c.num_experts).float().sum((0, 1)) / max(chosen.numel(), 1)
         balance = c.num_experts * (fraction * probs.mean(0)).sum()
         loss = c.aux_loss_coef * balance
