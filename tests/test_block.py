@@ -374,3 +374,26 @@ def test_params_per_expert_matches_module(overrides):
     assert block.experts.w_out.shape == (4, 6, 5)
     assert (block.bias is not None) == (block.config.bias_out == "shared")
     assert moecompile.MoEBlock is MoEBlock
+
+
+def test_float32_router_logits_backward_matches_the_float32_linear(monkeypatch):
+    """Eager CUDA training's router logits (_Float32Logits: a 16-bit GEMM with a float32 output, 16-bit backward GEMMs)
+    against F.linear of upcast copies: same logits, gradients within bf16 rounding. (The CPU has no mm with
+    out_dtype: it is emulated by upcasting, which is what the CUDA kernel computes up to summation order.)"""
+    from moecompile.ir import block as B
+
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, out_dtype=None: mm(a.float(), b.float()) if out_dtype else mm(a, b))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(8, 32, generator=gen) * 0.1).bfloat16().requires_grad_()
+    grad = torch.randn(64, 8, generator=gen)
+    logits = B._Float32Logits.apply(x, w)
+    logits.backward(grad)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    want = torch.nn.functional.linear(x32, w32)
+    want.backward(grad)
+    assert logits.dtype == torch.float32 and x.grad.dtype == w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(logits, want)
+    for got, ref in ((x.grad, x32.grad), (w.grad, w32.grad)):  # relative error: bf16 rounding of grad and result
+        assert (got.float() - ref).norm() / ref.norm() < 1e-2
