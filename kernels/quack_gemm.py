@@ -65,15 +65,15 @@ def first_projection(x: torch.Tensor, cu_seqlens: torch.Tensor, w_in: torch.Tens
     first, or alternating gate / up rows when interleaved). With gather_rows (int32, one per output row) row r reads
     x[gather_rows[r]] instead of x[r]. Output rows past the last group are left unwritten."""
     # QuACK sizes its varlen schedule from the pre-activation output unless it gathers: without a gather it is written
-    keep = gather_rows is None
-    return _first_projection(x, cu_seqlens, w_in, b_in, activation, gated, gather_rows, interleaved, config, keep)[0]
+    return _first_projection(x, cu_seqlens, w_in, b_in, activation, gated, gather_rows, interleaved, config,
+                             keep_preact=gather_rows is None)[0]
 
 
 def first_projection_train(x: torch.Tensor, cu_seqlens: torch.Tensor, w_in: torch.Tensor, b_in, activation: str,
                            gated: bool, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(first_projection's output, h): h is the pre-activation x W_in^T + b_in as `backward` reads it (gated: gate
     and up columns alternating, the pairs QuACK's gated epilogues take)."""
-    return _first_projection(x, cu_seqlens, w_in, b_in, activation, gated, None, False, config, True)
+    return _first_projection(x, cu_seqlens, w_in, b_in, activation, gated, None, False, config, keep_preact=True)
 
 
 def _first_projection(x, cu_seqlens, w_in, b_in, activation, gated, gather_rows, interleaved, config, keep_preact):
