@@ -6,10 +6,11 @@
 #   bash bench/gpu_check.sh tune-quack [ARGS]   # bench/tune_quack.py: QuACK tile configurations into kernels/configs/
 #   bash bench/gpu_check.sh fine-grained [ARGS] # bench/fine_grained.py ARGS, table to $OUT/fine-grained.md
 # On the device tool's H200 machine: its python3 has torch, triton and transformers; nothing is downloaded
-# (carry .whl/ with the wheels it lacks).
+# (carry .whl/ with the wheels it lacks). TAG=name suffixes the output files, for several runs of a case in one call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-build/gpu-check}
+tag=${TAG:+-$TAG}
 mkdir -p "$out"
 what=${1:-tests}
 shift || true
@@ -31,16 +32,16 @@ touch $installed
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 case "$what" in
-  tests) python3 -m pytest -q -m gpu "${@:-tests}" -p no:cacheprovider --durations=10 2>&1 | tee "$out/gpu-tests.log" ;;
+  tests) python3 -m pytest -q -m gpu "${@:-tests}" -p no:cacheprovider --durations=10 2>&1 | tee "$out/gpu-tests$tag.log" ;;
   layer)  # vLLM's fused_moe as a peer when its source was fetched here and carried (.peers/)
     peer=$([ -f .peers/vllm/fused_moe.py ] && echo --vllm)
-    python3 bench/moe_layer.py --profile $peer --out "$out/gpu-moe-layer.md" 2>&1 | tee "$out/gpu-moe-layer.log" ;;
-  generate) python3 bench/generate.py --out "$out/gpu-generate.md" "$@" 2>&1 | tee "$out/gpu-generate.log" ;;
-  tune-quack) python3 bench/tune_quack.py --out "$out/quack-tuning.md" "$@" 2>&1 | tee "$out/quack-tuning.log"
+    python3 bench/moe_layer.py --profile $peer --out "$out/gpu-moe-layer$tag.md" 2>&1 | tee "$out/gpu-moe-layer$tag.log" ;;
+  generate) python3 bench/generate.py --out "$out/gpu-generate$tag.md" "$@" 2>&1 | tee "$out/gpu-generate$tag.log" ;;
+  tune-quack) python3 bench/tune_quack.py --out "$out/quack-tuning$tag.md" "$@" 2>&1 | tee "$out/quack-tuning$tag.log"
     cp kernels/configs/quack_gemm.json "$out/" ;;
   fine-grained)
     peer=$([ -f .peers/vllm/fused_moe.py ] && echo --vllm)
-    python3 bench/fine_grained.py $peer --out "$out/fine-grained.md" "$@" 2>&1 | tee "$out/fine-grained.log" ;;
+    python3 bench/fine_grained.py $peer --out "$out/fine-grained$tag.md" "$@" 2>&1 | tee "$out/fine-grained$tag.log" ;;
   *) echo "usage: bench/gpu_check.sh tests [PATHS]|layer|generate [ARGS]|tune-quack [ARGS]|fine-grained [ARGS]" >&2
      exit 2 ;;
 esac
