@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from moecompile.kernels import triton_direct
-from moecompile.kernels.triton_direct import row_scales
+from moecompile.kernels.triton_direct import row_scales, weight_tile
 
 BLOCK = 128  # the weights' scale block edge
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activation dtypes these kernels take
@@ -83,7 +83,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rows, n: tl.const
             xk = tl.load(x_ptr + row * k + ks, mask=ks < k, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + cols[:, None].to(tl.int64) * k + ks[None, :], mask=cmask[:, None] & (ks < k)[None, :],
                         other=0.0)
-            acc += w.to(tl.float32) * row_scales(s_ptr, cols, cmask, k_blocks, k0)[:, None] * xk[None, :]
+            acc += weight_tile(w, s_ptr, cols, cmask, k_blocks, k0, True) * xk[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)

@@ -86,13 +86,18 @@ def _grouped_mm_first_projection(x, offsets, w_in, b_in, activation: str, gated:
     return triton_moe.expert_activation(h, offsets, b_in, activation, gated), h
 
 
+def _quack_first_projection(x, offsets, w_in, b_in, activation: str, gated: bool):
+    """(a, h) on QuACK over dispatched rows, with the tuned configuration: QuACK writes h there in any case."""
+    return quack_gemm.first_projection_train(x, quack_gemm.group_starts(offsets), w_in, b_in, activation, gated,
+                                             config=choices.quack_config("first", w_in.shape[2], w_in.shape[1]))
+
+
 def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     if not grouped_mm.supported(x, w_in, w_out):
         return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
     first, second = _projection_kernels(x, w_in, w_out, activation, gated)
     if first == "quack":
-        a = quack_gemm.first_projection(x, quack_gemm.group_starts(offsets), w_in, b_in, activation, gated,
-                                        config=choices.quack_config("first", w_in.shape[2], w_in.shape[1]))
+        a, _ = _quack_first_projection(x, offsets, w_in, b_in, activation, gated)
     elif first.startswith("triton"):
         a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, variant=first)
     else:
@@ -106,11 +111,6 @@ def _trains_on_quack(x, w_in, w_out, activation: str, gated: bool) -> bool:
     return _projection_kernels(x, w_in, w_out, activation, gated, training=True)[0] == "quack"
 
 
-def _quack_first_projection_train(x, offsets, w_in, b_in, activation: str, gated: bool):
-    return quack_gemm.first_projection_train(x, quack_gemm.group_starts(offsets), w_in, b_in, activation, gated,
-                                             config=choices.quack_config("first", w_in.shape[2], w_in.shape[1]))
-
-
 def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     """(experts(...), h): the first projection's pre-activation kept for experts_backward, in the form its GEMMs
     read: QuACK's (bias added, gated columns alternating) where training runs on QuACK, else torch._grouped_mm's
@@ -118,7 +118,7 @@ def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: 
     if not grouped_mm.supported(x, w_in, w_out):
         return reference.experts_train(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
     if _trains_on_quack(x, w_in, w_out, activation, gated):
-        a, h = _quack_first_projection_train(x, offsets, w_in, b_in, activation, gated)
+        a, h = _quack_first_projection(x, offsets, w_in, b_in, activation, gated)
     else:
         a, h = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
     second = _projection_kernels(x, w_in, w_out, activation, gated, training=True)[1]
@@ -132,7 +132,7 @@ def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gat
     on_quack = _trains_on_quack(x, w_in, w_out, activation, gated)
     if on_quack:
         if h is None:  # experts() kept nothing: recompute the first projection
-            h = _quack_first_projection_train(x, offsets, w_in, b_in, activation, gated)[1]
+            h = _quack_first_projection(x, offsets, w_in, b_in, activation, gated)[1]
         configs = choices.quack_backward_configs(x.shape[1], w_out.shape[2], w_in.shape[1])
         grad_x, grad_w_in, grad_w_out, grad_h = quack_gemm.backward(
             grad_y, x, quack_gemm.group_starts(offsets), w_in, w_out, h, activation, gated, configs)
