@@ -3,7 +3,8 @@
 from the device as a cumulative table, so no host synchronisation); the first takes its activation (gated or not)
 in the epilogue and can gather its A rows straight from the token matrix (`gather_rows`: no permuted copy written).
 Training keeps the first projection's pre-activation, and the backward is four more: the activation's derivative in
-the epilogue of grad_y W_out, the weight gradients as varlen-K GEMMs over each group's rows, then grad_x.
+the epilogue of grad_y W_out, the weight gradients as varlen-K GEMMs over each group's rows, then grad_x; with the
+combine folded in (`combined_backward`), the first two read the combine's gradient through each row's token.
 
 Each call runs the tile configuration it is given (`config`: GemmConfig's fields, from the runtime's tuned table) or
 QuACK's default, never QuACK's autotuner: that would compile and time every candidate at each new row count.
@@ -114,24 +115,45 @@ def backward(grad_y: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor, w_
     as GEMMs over each group's rows (varlen K: an empty group's gradient is zero), grad_x = grad_h W_in[e]. grad_h
     is in h's layout; grad_x rows past the last group are left unwritten. configs: GemmConfig fields by GEMM name
     ("data", "weight_out", "weight_in", "input"); QuACK's default where a name is missing."""
+    return _backward(grad_y, None, None, x, cu_seqlens, w_in, w_out, h, activation, gated, configs)[:4]
+
+
+def combined_backward(grad_out: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, x: torch.Tensor,
+                      cu_seqlens: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, h: torch.Tensor,
+                      activation: str, configs: dict | None = None) -> tuple[torch.Tensor, ...]:
+    """backward() of gated experts whose output rows y were combined as out[t] = sum scores[r] * y[r] over the rows r
+    with tokens[r] = t: grad_out is the combine's gradient [T, H], and the experts' row gradients
+    scores[r] * grad_out[tokens[r]] are read through tokens inside the data and weight_out GEMMs, never written
+    (tokens int32, scores float32, one per row). Returns backward()'s four and grad_scores [rows] float32 =
+    <y[r], grad_out[tokens[r]]> (experts without an output bias), from the data GEMM's epilogue; rows past the last
+    group unspecified."""
+    return _backward(grad_out, tokens, scores, x, cu_seqlens, w_in, w_out, h, activation, True, configs)
+
+
+def _backward(grad_y, tokens, scores, x, cu_seqlens, w_in, w_out, h, activation, gated, configs):
     configs = {name: gemm_config(config) for name, config in (configs or {}).items()}
     quack = _quack()
     grad_h = torch.empty_like(h)
     a = x.new_empty(x.shape[0], w_out.shape[2])
     grad_w_in, grad_w_out, grad_x = torch.empty_like(w_in), torch.empty_like(w_out), torch.empty_like(x)
     if x.shape[0] == 0:
-        return grad_x, grad_w_in.zero_(), grad_w_out.zero_(), grad_h
+        return grad_x, grad_w_in.zero_(), grad_w_out.zero_(), grad_h, torch.zeros(0, device=x.device)
     act = ACTIVATIONS[(activation, gated)]
+    # combined: the row gradient scales grad_h and the kept activation a (weight_out's operand) in the epilogue,
+    # which also sums a * (grad_out W_out) per row: the gradient of each row's score
+    gather = {} if tokens is None else dict(A_idx=tokens)
     data = quack.gemm_dgated_tuned.fn if gated else quack.gemm_dact_tuned.fn
-    data(grad_y, w_out, h, grad_h, a, activation=act, cu_seqlens_m=cu_seqlens, dynamic_scheduler=False,
-         config=configs.get("data"))
-    quack.gemm_tuned.fn(grad_y.t(), a, grad_w_out, cu_seqlens_k=cu_seqlens, config=configs.get("weight_out"))
+    scored = {} if tokens is None else dict(colvec_scale=scores, colvec_reduce=True)
+    grad_scores = data(grad_y, w_out, h, grad_h, a, activation=act, cu_seqlens_m=cu_seqlens, dynamic_scheduler=False,
+                       config=configs.get("data"), **gather, **scored)
+    quack.gemm_tuned.fn(grad_y.t(), a, grad_w_out, cu_seqlens_k=cu_seqlens, config=configs.get("weight_out"),
+                        **gather)
     # gated grad_h alternates gate / up columns; W_in and its gradient keep gate rows first (QuACK's concat layout)
     quack.gemm_tuned.fn(x.t(), grad_h, grad_w_in.transpose(1, 2), cu_seqlens_k=cu_seqlens,
                         concat_layout=("out",) if gated else None, config=configs.get("weight_in"))
     quack.gemm_tuned.fn(grad_h, w_in, grad_x, cu_seqlens_m=cu_seqlens, concat_layout=("B",) if gated else None,
                         config=configs.get("input"))
-    return grad_x, grad_w_in, grad_w_out, grad_h
+    return grad_x, grad_w_in, grad_w_out, grad_h, grad_scores
 
 
 def concatenated_columns(t: torch.Tensor) -> torch.Tensor:

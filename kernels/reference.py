@@ -316,6 +316,22 @@ def combine_backward(grad_out, expert_out, order, weights):
     return grad_rows.index_select(0, order).to(expert_out.dtype), grad_weights.to(weights.dtype)
 
 
+
+def experts_combine_train(x, offsets, order, weights, w_in, b_in, w_out, b_out, activation: str, gated: bool):
+    """(combine(y, order, weights), h, y) with (y, h) = experts_train(...)."""
+    y, h = experts_train(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
+    return combine(y, order, weights), h, y
+
+
+def experts_combine_backward(grad_out, x, offsets, order, weights, w_in, b_in, w_out, activation: str, gated: bool,
+                             has_b_out: bool, h, y):
+    """(grad_x, grad_weights, grad_w_in, grad_b_in, grad_w_out, grad_b_out) of combine(experts_train(...)): the
+    combine's backward, then the experts'."""
+    grad_rows, grad_weights = combine_backward(grad_out, y, order, weights)
+    grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out = experts_backward(
+        grad_rows, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, h=h)
+    return grad_x, grad_weights, grad_w_in, grad_b_in, grad_w_out, grad_b_out
+
 # ---- routed_experts: dispatch + experts + combine as one op (what direct_experts emits)
 
 def routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation: str, gated: bool,

@@ -112,9 +112,14 @@ def quack_backward_sizes(hidden: int, expert_size: int, expert_in_features: int)
             "weight_in": (hidden, expert_in_features), "input": (expert_in_features, hidden)}
 
 
-def quack_backward_configs(hidden: int, expert_size: int, expert_in_features: int) -> dict[str, dict | None]:
-    """quack_config of each backward GEMM (quack_backward_sizes), by name."""
-    return {name: quack_config(name, k, n)
+GATHERED_BACKWARD = ("data", "weight_out")  # the backward GEMMs that read the combine's gradient when it is folded in
+
+
+def quack_backward_configs(hidden: int, expert_size: int, expert_in_features: int,
+                           combined: bool = False) -> dict[str, dict | None]:
+    """quack_config of each backward GEMM (quack_backward_sizes), by name; combined: the GEMMs of
+    quack_gemm.combined_backward, GATHERED_BACKWARD's reading gathered rows."""
+    return {name: quack_config(name, k, n, combined and name in GATHERED_BACKWARD)
             for name, (k, n) in quack_backward_sizes(hidden, expert_size, expert_in_features).items()}
 
 

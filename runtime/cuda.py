@@ -144,14 +144,48 @@ def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gat
         grad_w_out = grouped_mm.grouped(grad_y.t(), a, offsets)
         grad_w_in = grouped_mm.grouped(grad_h.t(), x, offsets)
         grad_x = grouped_mm.grouped(grad_h, w_in, offsets)
-    triton_moe.zero_rows_past_groups(grad_x, offsets)
-    grad_b_in = None
-    if b_in is not None:
-        grad_b_in = grouped_mm.segment_sum(grad_h, offsets, num_experts)
-        if on_quack and gated:
-            grad_b_in = quack_gemm.concatenated_columns(grad_b_in)
+    grad_b_in = _finish_backward(grad_x, grad_h, offsets, b_in, num_experts, on_quack and gated)
     grad_b_out = grouped_mm.segment_sum(grad_y, offsets, num_experts) if has_b_out else None
     return grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out
+
+
+def _finish_backward(grad_x, grad_h, offsets, b_in, num_experts: int, alternating: bool):
+    """Zeroes grad_x's rows past the groups (dropped slots) and returns b_in's gradient (None without b_in) from
+    grad_h, whose gated columns alternate gate / up where `alternating` (QuACK's h)."""
+    triton_moe.zero_rows_past_groups(grad_x, offsets)
+    if b_in is None:
+        return None
+    grad_b_in = grouped_mm.segment_sum(grad_h, offsets, num_experts)
+    return quack_gemm.concatenated_columns(grad_b_in) if alternating else grad_b_in
+
+
+def experts_combine_train(x, offsets, order, weights, w_in, b_in, w_out, b_out, activation: str, gated: bool):
+    y, h = experts_train(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
+    return combine(y, order, weights), h, y
+
+
+def experts_combine_backward(grad_out, x, offsets, order, weights, w_in, b_in, w_out, activation: str, gated: bool,
+                             has_b_out: bool, h, y):
+    """On QuACK (gated experts without an output bias) the combine's backward runs inside the experts' GEMMs
+    (quack_gemm.combined_backward: no [N, H] row gradient written, y unread); else combine_backward, then
+    experts_backward."""
+    if not (gated and not has_b_out and grouped_mm.supported(x, w_in, w_out)
+            and _trains_on_quack(x, w_in, w_out, activation, gated)):
+        grad_rows, grad_weights = combine_backward(grad_out, y, order, weights)
+        grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out = experts_backward(
+            grad_rows, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, h=h)
+        return grad_x, grad_weights, grad_w_in, grad_b_in, grad_w_out, grad_b_out
+    top_k = weights.shape[1]
+    tokens = torch.div(order, top_k, rounding_mode="floor").to(torch.int32)
+    scores = weights.reshape(-1).index_select(0, order).float()
+    configs = choices.quack_backward_configs(x.shape[1], w_out.shape[2], w_in.shape[1], combined=True)
+    grad_x, grad_w_in, grad_w_out, grad_h, grad_scores = quack_gemm.combined_backward(
+        grad_out, tokens, scores, x, quack_gemm.group_starts(offsets), w_in, w_out, h, activation, configs)
+    kept = torch.arange(order.shape[0], device=order.device) < offsets[-1:]  # rows past the groups: dropped slots
+    grad_weights = torch.zeros_like(scores).index_copy_(0, order, torch.where(kept, grad_scores, 0.0))
+    grad_weights = torch.where(weights != 0, grad_weights.view(weights.shape), 0.0).to(weights.dtype)
+    grad_b_in = _finish_backward(grad_x, grad_h, offsets, b_in, w_in.shape[0], True)
+    return grad_x, grad_weights, grad_w_in, grad_b_in, grad_w_out, None
 
 
 def routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation: str, gated: bool):
@@ -175,7 +209,8 @@ def dispatch_backward(grad_sorted, order, tokens: int, top_k: int):
 
 
 for _op in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_train", "routed_experts",
-            "combine", "combine_backward", "dispatch_backward"):
+            "combine", "combine_backward", "dispatch_backward", "experts_combine_train",
+            "experts_combine_backward"):
     register_kernel(_op, "cuda", globals()[_op])
 register_kernel("experts_backward", "cuda", experts_backward, supports={KEPT_H})
 register_kernel("quantize_fp8", "cuda", fp8.quantize_fp8)

@@ -173,4 +173,4 @@ def test_training_graphs_on_dynamic_shapes():
         for got, want in zip(*grads):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     (record,) = _compiled_graphs()
-    assert record.moe_blocks == 1 and dict(record.reports)["keep_first_projection"]["experts_train"]
+    assert record.moe_blocks == 1 and dict(record.reports)["keep_first_projection"]["experts_combine_train"]

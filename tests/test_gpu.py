@@ -186,6 +186,47 @@ def test_quack_training_matches_float32_reference(activation, gated, bias, case,
         assert not got[0][kept:].any()  # dropped rows
 
 
+# (activation, gated, biases): the combine's backward folds into QuACK's GEMMs for gated experts without b_out
+COMBINED = [("silu", True, "none"), ("silu", True, "in"), ("relu", True, "none"), ("silu", True, "both"),
+            ("gelu_tanh", False, "both")]
+
+
+@needs_quack
+@pytest.mark.parametrize("activation,gated,biases", COMBINED)
+@pytest.mark.parametrize("case", QUACK_CASES)
+def test_quack_combined_backward_matches_float32_reference(activation, gated, biases, case, monkeypatch):
+    """experts_combine_train, then experts_combine_backward on CUDA: folded into QuACK's GEMMs (the combine's
+    gradient read through each row's token, the routing weights' gradient from the data GEMM's epilogue) where the
+    experts are gated without an output bias, else combine_backward then experts_backward; against the float32
+    reference's gradients (dropped rows and their weights get none)."""
+    x, ids, weights, k, e, w_in, b_in, w_out, b_out = _quack_case(case, activation, gated, biases != "none",
+                                                                  monkeypatch)
+    b_out = b_out if biases == "both" else None
+    folded, combined_backward = [], quack_gemm.combined_backward
+    monkeypatch.setattr(quack_gemm, "combined_backward", lambda *a: folded.append(1) or combined_backward(*a))
+    rows, order, offsets = ops.dispatch(x, ids, e)
+    kept = int(offsets[-1])
+    out, h, y = ops.experts_combine_train(rows, offsets, order, weights, w_in, b_in, w_out, b_out, activation, gated)
+    assert _rel(out, _reference_layer(x, ids, weights, e, w_in, b_in, w_out, b_out, activation, gated)) <= 1e-2
+    grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(4), device=DEVICE)
+    grad_out = grad_out.bfloat16()
+    got = C.experts_combine_backward(grad_out, rows, offsets, order, weights, w_in, b_in, w_out, activation, gated,
+                                     b_out is not None, h, y)
+    assert bool(folded) == (gated and b_out is None)
+    rows32, (w_in32, b_in32, w_out32, b_out32) = rows.float(), [None if t is None else t.float()
+                                                                for t in (w_in, b_in, w_out, b_out)]
+    y32 = R.experts(rows32, offsets, w_in32, b_in32, w_out32, b_out32, activation, gated)
+    want = R.experts_combine_backward(grad_out.float(), rows32, offsets, order, weights, w_in32, b_in32, w_out32,
+                                      activation, gated, b_out is not None, None, y32)
+    for name, g, w in zip(("x", "weights", "w_in", "b_in", "w_out", "b_out"), got, want):
+        assert (g is None) == (w is None), name
+        if g is not None:
+            assert g.dtype == w.dtype if name == "weights" else g.dtype == torch.bfloat16, name
+            assert _rel(g, w) <= 2e-2, name
+    assert not got[0][kept:].any()  # dropped rows
+    assert not got[1][ids == e].any()  # dropped assignments' weights
+
+
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
 def test_cuda_experts_train_keeps_h_for_the_backward(gated, bias, capacity_factor):
@@ -218,7 +259,8 @@ def test_cuda_experts_train_keeps_h_for_the_backward(gated, bias, capacity_facto
 
 
 def test_block_training_step_runs_experts_train_and_matches_float32(moe_op_log):
-    """A training-mode MoEBlock on the GPU keeps h (experts_train) and its gradients match the float32 block's."""
+    """A training-mode MoEBlock on the GPU keeps h (experts_combine_train) and its gradients match the float32
+    block's."""
     torch.manual_seed(3)
     block = _block().train()
     ref = _block().float().train()
@@ -227,7 +269,7 @@ def test_block_training_step_runs_experts_train_and_matches_float32(moe_op_log):
     x32 = xb.detach().float().requires_grad_()
     with moe_op_log() as log:
         out = block(xb)
-    assert "moecompile::experts_train" in log.names and "moecompile::experts" not in log.names
+    assert "moecompile::experts_combine_train" in log.names and "moecompile::experts" not in log.names
     out.float().square().sum().backward()
     ref(x32).square().sum().backward()
     assert _rel(xb.grad, x32.grad) <= 2e-2

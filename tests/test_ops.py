@@ -11,7 +11,7 @@ from moecompile.runtime.registry import kernel_for, register_kernel, registered_
 OPS = torch.ops.moecompile
 OP_NAMES = ("route", "route_backward", "dispatch", "dispatch_backward", "experts", "experts_train", "experts_backward",
             "combine", "combine_backward", "route_grouped", "route_grouped_backward", "route_dispatch",
-            "route_dispatch_backward")
+            "route_dispatch_backward", "experts_combine_train", "experts_combine_backward")
 
 
 def gen(seed):
@@ -137,6 +137,48 @@ def test_expert_ffn_keeps_h_only_when_autograd_needs_it(moe_op_log, interleaved)
         got = torch.autograd.grad(y, params, grad_y)
     assert log.names == ["moecompile::experts_backward"]
     want = torch.autograd.grad(OPS.experts(*args), params, grad_y)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("bias_in,bias_out", [(True, True), (False, False)])
+def test_opcheck_experts_combine(gated, bias_in, bias_out):
+    d = setup_moe(59, cf=0.5, gated=gated, bias_in=bias_in, bias_out=bias_out, requires_grad=True)
+    args = (d["rows"], d["offsets"], d["order"], d["weights"], d["w_in"], d["b_in"], d["w_out"], d["b_out"], "silu",
+            gated)
+    torch.library.opcheck(OPS.experts_combine_train.default, args)
+    out, h, y = OPS.experts_combine_train(*args)
+    grad_out = randn(d["g"], *out.shape)
+    torch.library.opcheck(OPS.experts_combine_backward.default, (
+        grad_out, d["rows"].detach(), d["offsets"], d["order"], d["weights"].detach(), d["w_in"].detach(),
+        None if d["b_in"] is None else d["b_in"].detach(), d["w_out"].detach(), "silu", gated, bias_out, h, y))
+
+
+@pytest.mark.parametrize("activation,interleaved,fused", [("silu", False, True), ("swiglu_oai", True, False)])
+def test_expert_ffn_combine_is_one_op_in_eager_training(moe_op_log, activation, interleaved, fused):
+    """expert_ffn_combine: experts_combine_train when autograd will run the backward (not for GPT-OSS's activation
+    arguments), experts + combine under no_grad; the same output and the same gradients (float64, dropped slots
+    included) as combine(experts(...)), routing weights' included."""
+    d = setup_moe(60, cf=0.5, gated=True, dtype=torch.float64, requires_grad=True)
+    args = (d["rows"], d["offsets"], d["order"], d["weights"], d["w_in"], d["b_in"], d["w_out"], d["b_out"],
+            activation, True, interleaved)
+    with torch.no_grad(), moe_op_log() as log:
+        moecompile.ir.ops.expert_ffn_combine(*args)
+    assert log.names == ["moecompile::experts", "moecompile::combine"]
+    with moe_op_log() as log:
+        out = moecompile.ir.ops.expert_ffn_combine(*args)
+    assert log.names == (["moecompile::experts_combine_train"] if fused
+                         else ["moecompile::experts_train", "moecompile::combine"])
+    params = [d[n] for n in ("rows", "weights", "w_in", "b_in", "w_out", "b_out")]
+    grad_out = randn(d["g"], *out.shape, dtype=torch.float64)
+    with moe_op_log() as log:
+        got = torch.autograd.grad(out, params, grad_out)
+    if fused:
+        assert log.names == ["moecompile::experts_combine_backward"]
+    want_out = OPS.combine(OPS.experts(*args[:2], *args[4:]), d["order"], d["weights"])
+    torch.testing.assert_close(out, want_out, atol=1e-12, rtol=1e-10)
+    want = torch.autograd.grad(want_out, params, grad_out)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 

@@ -91,9 +91,8 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         b_in = self.gate_up_proj_bias if spec["gated"] else self.up_proj_bias
         b_out = self.down_proj_bias
     rows, order, offsets = ops.dispatch(hidden_states, top_k_index, self.num_experts)
-    y = ops.expert_ffn(rows, offsets, w_in, b_in, w_out, b_out, spec["activation"], spec["gated"],
-                       spec["interleaved"], spec["alpha"], spec["limit"])
-    return ops.combine(y, order, top_k_weights)
+    return ops.expert_ffn_combine(rows, offsets, order, top_k_weights, w_in, b_in, w_out, b_out, spec["activation"],
+                                  spec["gated"], spec["interleaved"], spec["alpha"], spec["limit"])
 
 
 def _hf_small_batch_experts():

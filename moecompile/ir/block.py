@@ -59,10 +59,11 @@ class MoEExperts(nn.Module):
     def forward(self, rows, offsets, activation: str, gated: bool):
         return ops.expert_ffn(rows, offsets, self.w_in, self.b_in, self.w_out, self.b_out, activation, gated)
 
-    def routed(self, x, expert_ids, activation: str, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dispatch tokens x [T, H] to their experts and run them: (output rows in expert order, that order)."""
+    def routed(self, x, weights, expert_ids, activation: str, gated: bool) -> torch.Tensor:
+        """Dispatch tokens x [T, H] to their experts, run them and combine their outputs by the routing weights."""
         rows, order, offsets = ops.dispatch(x, expert_ids, self.w_in.shape[0])
-        return self(rows, offsets, activation, gated), order
+        return ops.expert_ffn_combine(rows, offsets, order, weights, self.w_in, self.b_in, self.w_out, self.b_out,
+                                      activation, gated)
 
 
 class MoEBlock(nn.Module):
@@ -155,8 +156,7 @@ class MoEBlock(nn.Module):
                     "aux_loss": aux.detach().float(), "entropy": entropy.float(), "top_k": top_k}
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Routed tokens -> weighted sum of their experts' outputs (expert parallelism overrides this)."""
-        out, order = self.experts.routed(x, expert_ids, self.config.activation, self.config.gated)
-        return ops.combine(out, order, weights)
+        return self.experts.routed(x, weights, expert_ids, self.config.activation, self.config.gated)
 
     def _shared_out(self, x: torch.Tensor) -> torch.Tensor:
         if self.shared is None:

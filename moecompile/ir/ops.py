@@ -286,6 +286,76 @@ def _combine_backward(ctx, grad_out):
 combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
+# ---- experts_combine_train: experts_train -> combine as one training op, so that its backward takes the combine's
+# gradient [T, H] whole: a device may fuse the combine's backward into the expert GEMMs' (no [N, H] gradient rows)
+
+@torch.library.custom_op("moecompile::experts_combine_train", mutates_args=())
+def experts_combine_train(x: Tensor, offsets: Tensor, order: Tensor, weights: Tensor, w_in: Tensor,
+                          b_in: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], activation: str,
+                          gated: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(combine(y, order, weights), h, y) with (y, h) = experts_train(x, ...): the expert rows y are kept for a
+    backward that computes the weights' gradient from them; h and y are not differentiable."""
+    return _kernel("experts_combine_train", x)(x, offsets, order, weights, w_in, b_in, w_out, b_out, activation, gated)
+
+
+@experts_combine_train.register_fake
+def _(x, offsets, order, weights, w_in, b_in, w_out, b_out, activation, gated):
+    return (x.new_empty(weights.shape[0], w_out.shape[1]), x.new_empty(x.shape[0], w_in.shape[1]),
+            x.new_empty(x.shape[0], w_out.shape[1]))
+
+
+@torch.library.custom_op("moecompile::experts_combine_backward", mutates_args=())
+def experts_combine_backward(grad_out: Tensor, x: Tensor, offsets: Tensor, order: Tensor, weights: Tensor,
+                             w_in: Tensor, b_in: Optional[Tensor], w_out: Tensor, activation: str, gated: bool,
+                             has_b_out: bool, h: Tensor, y: Tensor
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (grad_x, grad_weights, grad_w_in, grad_b_in, grad_w_out, grad_b_out); a missing bias's grad is an
+    empty tensor. grad_x rows past the groups are zero, as experts_backward's."""
+    grads = _kernel("experts_combine_backward", x)(grad_out, x, offsets, order, weights, w_in, b_in, w_out,
+                                                   activation, gated, has_b_out, h, y)
+    return tuple(x.new_empty(0) if g is None else g for g in grads)
+
+
+@experts_combine_backward.register_fake
+def _(grad_out, x, offsets, order, weights, w_in, b_in, w_out, activation, gated, has_b_out, h, y):
+    return (torch.empty_like(x), torch.empty_like(weights), torch.empty_like(w_in),
+            x.new_empty(0) if b_in is None else torch.empty_like(b_in), torch.empty_like(w_out),
+            w_out.new_empty(w_out.shape[0], w_out.shape[1]) if has_b_out else x.new_empty(0))
+
+
+def _experts_combine_setup(ctx, inputs, output):
+    x, offsets, order, weights, w_in, b_in, w_out, b_out, activation, gated = inputs
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.save_for_backward(x, offsets, order, weights, w_in, b_in, w_out, output[1], output[2])
+    ctx.activation, ctx.gated, ctx.has_b_out = activation, gated, b_out is not None
+
+
+def _experts_combine_backward(ctx, grad_out, grad_h=None, grad_y=None):
+    x, offsets, order, weights, w_in, b_in, w_out, h, y = ctx.saved_tensors
+    gx, gweights, gw_in, gb_in, gw_out, gb_out = experts_combine_backward(
+        grad_out.contiguous(), x, offsets, order, weights, w_in, b_in, w_out, ctx.activation, ctx.gated,
+        ctx.has_b_out, h, y)
+    return (gx, None, None, gweights, gw_in, gb_in if b_in is not None else None, gw_out,
+            gb_out if ctx.has_b_out else None, None, None)
+
+
+experts_combine_train.register_autograd(_experts_combine_backward, setup_context=_experts_combine_setup)
+
+
+def expert_ffn_combine(x: Tensor, offsets: Tensor, order: Tensor, weights: Tensor, w_in: Tensor,
+                       b_in: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], activation: str, gated: bool,
+                       interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
+    """combine(expert_ffn(...), order, weights): in eager training the one op experts_combine_train (GPT-OSS's
+    activation arguments excepted), whose backward a device may fuse; else the two ops, as captured graphs get them
+    (the compile pipeline's keep_first_projection makes the same rewrite there). What the MoE modules call."""
+    glu = glu_args(activation, interleaved, alpha, limit)
+    needs_grad = any(t is not None and t.requires_grad for t in (x, weights, w_in, b_in, w_out, b_out))
+    if torch.is_grad_enabled() and needs_grad and not torch.compiler.is_compiling() and not glu:
+        return experts_combine_train(x, offsets, order, weights, w_in, b_in, w_out, b_out, activation, gated)[0]
+    return combine(expert_ffn(x, offsets, w_in, b_in, w_out, b_out, activation, gated, interleaved, alpha, limit),
+                   order, weights)
+
+
 # ---- routed_experts: dispatch -> experts -> combine's terms in one op for few tokens (emitted by direct_experts)
 
 @torch.library.custom_op("moecompile::routed_experts", mutates_args=())

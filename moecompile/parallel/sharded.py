@@ -131,11 +131,9 @@ class ExpertParallelExperts(MoEExperts):
             # the backward of the all-gather is a reduce-scatter (sum): each shard's gradient sums every rank's
             full = [None if w is None else funcol.all_gather_single_autograd(w.contiguous(), 0, block.group_name)
                     for w in (w_in, b_in, w_out, b_out)]
-            out = ops.expert_ffn(rows, offsets, *full, c.activation, c.gated)
-        else:
-            out = expert_parallel_experts(rows, offsets, w_in, b_in, w_out, b_out, c.activation, c.gated,
-                                          block.group_name, block.world_size, block.local_experts,
-                                          block.overlap_degree)
+            return ops.expert_ffn_combine(rows, offsets, order, weights, *full, c.activation, c.gated)
+        out = expert_parallel_experts(rows, offsets, w_in, b_in, w_out, b_out, c.activation, c.gated,
+                                      block.group_name, block.world_size, block.local_experts, block.overlap_degree)
         return ops.combine(out, order, weights)
 
 
