@@ -37,8 +37,9 @@ case "$what" in
     peer=$([ -f .peers/vllm/fused_moe.py ] && echo --vllm)
     python3 bench/moe_layer.py --profile $peer --out "$out/gpu-moe-layer$tag.md" 2>&1 | tee "$out/gpu-moe-layer$tag.log" ;;
   generate) python3 bench/generate.py --out "$out/gpu-generate$tag.md" "$@" 2>&1 | tee "$out/gpu-generate$tag.log" ;;
-  tune-quack) python3 bench/tune_quack.py --out "$out/quack-tuning$tag.md" "$@" 2>&1 | tee "$out/quack-tuning$tag.log"
-    cp kernels/configs/quack_gemm.json "$out/" ;;
+  tune-quack) cp kernels/configs/quack_gemm.json "$out/"  # updated there after each GEMM (a call cut short keeps it)
+    python3 bench/tune_quack.py --json "$out/quack_gemm.json" --out "$out/quack-tuning$tag.md" "$@" 2>&1 \
+      | tee "$out/quack-tuning$tag.log" ;;
   fine-grained)
     peer=$([ -f .peers/vllm/fused_moe.py ] && echo --vllm)
     python3 bench/fine_grained.py $peer --out "$out/fine-grained$tag.md" "$@" 2>&1 | tee "$out/fine-grained$tag.log" ;;
