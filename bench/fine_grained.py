@@ -46,7 +46,7 @@ SHAPES = {  # name: (d, f, E, k, tokens), in the order a run cut short should ke
 GEMM_KERNELS = ("triton_persistent", "grouped_mm", "quack")
 TRAIN_SHAPES = ("qwen3-moe", "mixtral")  # the issue's training targets
 WITH_SONIC = True  # --no-sonic: its autotuning compiles for minutes per shape
-TRAIN_COLUMNS = ("ours", "ours quack", "ours grouped_mm", "HF grouped_mm", "SonicMoE")
+TRAIN_COLUMNS = ("ours", "ours quack", "ours quack, combine apart", "ours grouped_mm", "HF grouped_mm", "SonicMoE")
 
 bench = moe_layer.bench
 
@@ -222,7 +222,15 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
     torch.cuda.empty_cache()
 
 
+def _combine_apart(x, offsets, order, weights, *expert_args):
+    """ops.expert_ffn_combine as two ops (experts_train, combine): the combine's backward not folded in."""
+    from moecompile.ir import ops
+
+    return ops.combine(ops.expert_ffn(x, offsets, *expert_args), order, weights)
+
+
 def train_row(name, ours, hf, sonic, x, notes):
+    from moecompile.ir import ops
     from moecompile.runtime import choices
 
     xg = x.clone().requires_grad_()
@@ -236,6 +244,7 @@ def train_row(name, ours, hf, sonic, x, notes):
     times = {}
     for label, block, call, kernel in (
             ("ours", ours, lambda b: b(xg), "auto"), ("ours quack", ours, lambda b: b(xg), "quack"),
+            ("ours quack, combine apart", ours, lambda b: b(xg), "quack"),
             ("ours grouped_mm", ours, lambda b: b(xg), "grouped_mm"),
             ("HF grouped_mm", hf, lambda b: b(xg), "auto"),
             ("SonicMoE", sonic, lambda b: b(xg)[0], "auto")):
@@ -243,7 +252,13 @@ def train_row(name, ours, hf, sonic, x, notes):
             continue
         block.train()
         choices.FFN_IN = choices.FFN_OUT = kernel
-        times[label] = attempt(f"train {label}", lambda: bench(lambda: step(block, call)), notes)
+        fused = ops.expert_ffn_combine
+        if label.endswith("combine apart"):
+            ops.expert_ffn_combine = _combine_apart
+        try:
+            times[label] = attempt(f"train {label}", lambda: bench(lambda: step(block, call)), notes)
+        finally:
+            ops.expert_ffn_combine = fused
     choices.FFN_IN = choices.FFN_OUT = "auto"
     return f"| {name} | " + " | ".join("—" if times.get(c) is None else f"{times[c]:.3f}"
                                        for c in TRAIN_COLUMNS) + " |"
@@ -297,7 +312,9 @@ def main(argv=None):
     def write():
         text = header + out_lines
         if train_lines:
-            text += ["", "Training step (forward + backward, eager, gradients set to None first), median ms:", "",
+            text += ["", "Training step (forward + backward, eager, gradients set to None first), median ms; "
+                     "\"combine apart\": QuACK with the experts and the combine as two ops, the combine's backward "
+                     "writing the [N, H] row gradient the experts' backward reads:", "",
                      "| shape | " + " | ".join(TRAIN_COLUMNS) + " |", "|---" * (len(TRAIN_COLUMNS) + 1) + "|",
                      *train_lines]
         if notes:
