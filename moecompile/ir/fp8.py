@@ -114,12 +114,13 @@ class MoEExpertsFP8(nn.Module):
         x, x_scale_inv = ops.quantize_fp8(rows, ACT_GROUP)
         return self._experts_fp8(x, x_scale_inv, offsets, activation, gated, _out_dtype(rows))
 
-    def routed(self, x, expert_ids, activation: str, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def routed(self, x, weights, expert_ids, activation: str, gated: bool) -> torch.Tensor:
         """MoEExperts.routed with FP8 dispatch: the T tokens are quantised before the dispatch instead of its T * k
         rows after it (the same numbers: the scales are per row), so the dispatch moves one byte per value instead
         of two and each row's scales are gathered beside it."""
-        return routed_fp8(x, expert_ids, self.w_in, self.w_in_scale_inv, self.b_in, self.w_out, self.w_out_scale_inv,
-                          self.b_out, activation, gated)
+        y, order = routed_fp8(x, expert_ids, self.w_in, self.w_in_scale_inv, self.b_in, self.w_out,
+                              self.w_out_scale_inv, self.b_out, activation, gated)
+        return ops.combine(y, order, weights)
 
     def _experts_fp8(self, x_fp8, x_scale_inv, offsets, activation: str, gated: bool, out_dtype: torch.dtype):
         return ops.experts_fp8(x_fp8, x_scale_inv, offsets, self.w_in, self.w_in_scale_inv, self.b_in, self.w_out,

@@ -569,6 +569,7 @@ def _register_autocast(name: str, cast: tuple[int, ...]):
 
 _register_autocast("experts", cast=(0, 2, 3, 4, 5))  # x, w_in, b_in, w_out, b_out
 _register_autocast("experts_train", cast=(0, 2, 3, 4, 5))
+_register_autocast("experts_combine_train", cast=(0, 4, 5, 6, 7))  # x, w_in, b_in, w_out, b_out (not the weights)
 _register_autocast("quantize_fp8", cast=())
 _register_autocast("experts_fp8", cast=())
 _register_autocast("routed_experts_fp8", cast=())
