@@ -222,15 +222,7 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
     torch.cuda.empty_cache()
 
 
-def _combine_apart(x, offsets, order, weights, *expert_args):
-    """ops.expert_ffn_combine as two ops (experts_train, combine): the combine's backward not folded in."""
-    from moecompile.ir import ops
-
-    return ops.combine(ops.expert_ffn(x, offsets, *expert_args), order, weights)
-
-
 def train_row(name, ours, hf, sonic, x, notes):
-    from moecompile.ir import ops
     from moecompile.runtime import choices
 
     xg = x.clone().requires_grad_()
@@ -252,14 +244,9 @@ def train_row(name, ours, hf, sonic, x, notes):
             continue
         block.train()
         choices.FFN_IN = choices.FFN_OUT = kernel
-        fused = ops.expert_ffn_combine
-        if label.endswith("combine apart"):
-            ops.expert_ffn_combine = _combine_apart
-        try:
-            times[label] = attempt(f"train {label}", lambda: bench(lambda: step(block, call)), notes)
-        finally:
-            ops.expert_ffn_combine = fused
-    choices.FFN_IN = choices.FFN_OUT = "auto"
+        choices.FOLD_COMBINE = "off" if label.endswith("combine apart") else "auto"
+        times[label] = attempt(f"train {label}", lambda: bench(lambda: step(block, call)), notes)
+    choices.FFN_IN = choices.FFN_OUT = choices.FOLD_COMBINE = "auto"
     return f"| {name} | " + " | ".join("—" if times.get(c) is None else f"{times[c]:.3f}"
                                        for c in TRAIN_COLUMNS) + " |"
 
@@ -313,8 +300,9 @@ def main(argv=None):
         text = header + out_lines
         if train_lines:
             text += ["", "Training step (forward + backward, eager, gradients set to None first), median ms; "
-                     "\"combine apart\": QuACK with the experts and the combine as two ops, the combine's backward "
-                     "writing the [N, H] row gradient the experts' backward reads:", "",
+                     "\"combine apart\": QuACK with the combine's backward not folded into the experts' "
+                     "(MOECOMPILE_FOLD_COMBINE=off: it writes the [N, H] row gradient the experts' backward "
+                     "reads):", "",
                      "| shape | " + " | ".join(TRAIN_COLUMNS) + " |", "|---" * (len(TRAIN_COLUMNS) + 1) + "|",
                      *train_lines]
         if notes:

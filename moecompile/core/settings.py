@@ -26,6 +26,12 @@ def ffn_out() -> str:
     return os.environ.get("MOECOMPILE_FFN_OUT", "auto")
 
 
+def fold_combine() -> str:
+    """MOECOMPILE_FOLD_COMBINE: the combine's backward folded into the experts' QuACK backward GEMMs in training
+    (auto: wherever the training GEMMs run on QuACK, gated experts without an output bias) or kept apart (off)."""
+    return os.environ.get("MOECOMPILE_FOLD_COMBINE", "auto")
+
+
 def fp8_gemm() -> str:
     """MOECOMPILE_FP8_GEMM: the FP8 expert GEMMs' scaling on CUDA: auto, rowwise or block."""
     return os.environ.get("MOECOMPILE_FP8_GEMM", "auto")
