@@ -26,7 +26,7 @@ from moecompile.core import settings
 
 FFN_IN = settings.ffn_in()  # auto | grouped_mm | triton | triton_decode | triton_tma | triton_persistent | quack
 FFN_OUT = settings.ffn_out()
-FOLD_COMBINE = settings.fold_combine()  # auto | off
+FOLD_COMBINE = settings.fold_combine()  # off | auto
 FP8_GEMM = settings.fp8_gemm()  # auto | rowwise | block
 FP8_BLOCK_KERNEL = settings.fp8_block_kernel()  # auto | cutlass | gluon | triton
 # Below this many rows per expert a batch is "decode": tiles are mostly empty and other kernels win.

@@ -181,9 +181,9 @@ def experts_combine_backward(grad_out, x, offsets, order, weights, w_in, b_in, w
     configs = choices.quack_backward_configs(x.shape[1], w_out.shape[2], w_in.shape[1], combined=True)
     grad_x, grad_w_in, grad_w_out, grad_h, grad_scores = quack_gemm.combined_backward(
         grad_out, tokens, scores, x, quack_gemm.group_starts(offsets), w_in, w_out, h, activation, configs)
-    kept = torch.arange(order.shape[0], device=order.device) < offsets[-1:]  # rows past the groups: dropped slots
-    grad_weights = torch.zeros_like(scores).index_copy_(0, order, torch.where(kept, grad_scores, 0.0))
-    grad_weights = torch.where(weights != 0, grad_weights.view(weights.shape), 0.0).to(weights.dtype)
+    # a dropped slot (weight 0, its row past the groups, grad_scores unwritten there) gets none, as in combine_backward
+    grad_weights = grad_scores.new_empty(scores.shape).index_copy_(0, order, grad_scores).view(weights.shape)
+    grad_weights = torch.where(weights != 0, grad_weights, 0.0).to(weights.dtype)
     grad_b_in = _finish_backward(grad_x, grad_h, offsets, b_in, w_in.shape[0], True)
     return grad_x, grad_weights, grad_w_in, grad_b_in, grad_w_out, None
 

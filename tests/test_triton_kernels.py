@@ -188,3 +188,83 @@ def test_quack_backward_configurations_are_looked_up_by_gemm_name(monkeypatch):
     monkeypatch.setattr(C, "_quack_table", lambda: table)
     assert C.quack_backward_configs(8, 4, 16) == {"data": {"tile_m": 128}, "weight_out": None, "weight_in": None,
                                                   "input": {"tile_m": 64}}
+
+
+def test_quack_combined_backward_configurations_read_the_gathered_entries(monkeypatch):
+    """The folded backward's data and weight_out GEMMs gather the combine's gradient: their own tuned entries."""
+    from moecompile.runtime import choices as C
+
+    table = {"data,k=8,n=4,gathered": {"tile_m": 128}, "data,k=8,n=4": {"tile_m": 64}, "input,k=16,n=8": {"x": 1}}
+    monkeypatch.setattr(C, "_quack_table", lambda: table)
+    assert C.quack_backward_configs(8, 4, 16, combined=True) == {"data": {"tile_m": 128}, "weight_out": None,
+                                                                 "weight_in": None, "input": {"x": 1}}
+
+
+def _alternating(t):
+    """[gate | up] columns -> gate / up pairs (QuACK's gated layout)."""
+    return torch.stack(t.chunk(2, dim=-1), dim=-1).flatten(-2)
+
+
+def _quack_combined_backward_emulated(grad_out, tokens, scores, x, cu, w_in, w_out, h, activation, configs):
+    """quack_gemm.combined_backward as QuACK's epilogues compute it, in plain PyTorch (what the GPU test checks on
+    the device): rows past the last group are left as NaN, as an unwritten output would hold garbage."""
+    from moecompile.core.activations import expert_activation, expert_activation_backward
+    from moecompile.kernels import quack_gemm
+
+    nan = float("nan")
+    grad_x, grad_h = torch.full_like(x, nan), torch.full_like(h, nan)
+    grad_scores = torch.full((x.shape[0],), nan, dtype=torch.float32)
+    grad_w_in, grad_w_out = torch.zeros_like(w_in), torch.zeros_like(w_out)
+    for e in range(w_in.shape[0]):
+        r = slice(int(cu[e]), int(cu[e + 1]))
+        g = grad_out[tokens[r].long()]
+        pre = quack_gemm.concatenated_columns(h[r])
+        d = g @ w_out[e]
+        a = expert_activation(activation, True, pre)
+        grad_scores[r] = (a * d).sum(-1)
+        dh = expert_activation_backward(activation, True, pre, d * scores[r, None])
+        grad_h[r] = _alternating(dh)
+        grad_w_out[e] = g.t() @ (a * scores[r, None])
+        grad_w_in[e] = dh.t() @ x[r]
+        grad_x[r] = dh @ w_in[e]
+    return grad_x, grad_w_in, grad_w_out, grad_h, grad_scores
+
+
+@pytest.mark.parametrize("capacity_factor,bias_in", [(0.0, False), (1.0, True), (0.5, False)])
+def test_folded_combine_backward_bookkeeping_matches_reference(monkeypatch, capacity_factor, bias_in):
+    """runtime/cuda's fold of the combine's backward into the QuACK backward, QuACK emulated: the rows' tokens and
+    scores handed to it, the routing weights' gradient scattered back from its rows (dropped slots zero, whatever
+    the unwritten rows hold), grad_x's dropped rows zeroed, b_in's gradient back in [gate | up] order."""
+    from moecompile.kernels import grouped_mm, quack_gemm
+    from moecompile.runtime import choices
+    from moecompile.runtime import cuda as C
+
+    monkeypatch.setattr(choices, "FOLD_COMBINE", "auto")
+    monkeypatch.setattr(grouped_mm, "supported", lambda *a: True)
+    monkeypatch.setattr(C, "_trains_on_quack", lambda *a: True)
+    monkeypatch.setattr(quack_gemm, "combined_backward", _quack_combined_backward_emulated)
+    gen = torch.Generator().manual_seed(5)
+    tokens, e, k, hidden, width = 11, 4, 2, 6, 5
+    x = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
+    w_in = torch.randn(e, 2 * width, hidden, generator=gen, dtype=torch.float64)
+    w_out = torch.randn(e, hidden, width, generator=gen, dtype=torch.float64)
+    b_in = torch.randn(e, 2 * width, generator=gen, dtype=torch.float64) if bias_in else None
+    weights, ids = R.route(torch.randn(tokens, e, generator=gen), k, capacity_factor, True)
+    weights = weights.double()
+    rows, order, offsets = R.dispatch(x, ids, e)
+    y, h_ref = R.experts_train(rows, offsets, w_in, b_in, w_out, None, "silu", True)
+    h = _alternating(h_ref + (b_in[grouped_mm.row_expert(offsets, rows.shape[0]).clamp_max(e - 1)]
+                              if bias_in else 0))
+    grad_out = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
+    got = C.experts_combine_backward(grad_out, rows, offsets, order, weights, w_in, b_in, w_out, "silu", True,
+                                     False, h, y)
+    want = R.experts_combine_backward(grad_out, rows, offsets, order, weights, w_in, b_in, w_out, "silu", True,
+                                      False, None, y)
+    for name, g, w in zip(("x", "weights", "w_in", "b_in", "w_out", "b_out"), got, want):
+        assert (g is None) == (w is None), name
+        if g is not None:
+            # float32 on the way: the scores' gradient out of QuACK, the bias gradient's segment sum
+            tol = 1e-5 if name in ("weights", "b_in") else 1e-9
+            torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    if capacity_factor:
+        assert int(offsets[-1]) < rows.shape[0]  # the case has dropped slots
