@@ -233,7 +233,7 @@ def train_row(name, ours, hf, sonic, x, notes):
         xg.grad = None
         call(block).backward(grad)
 
-    times = {}
+    times, fold = {}, choices.FOLD_COMBINE
     for label, block, call, kernel in (
             ("ours", ours, lambda b: b(xg), "auto"), ("ours quack", ours, lambda b: b(xg), "quack"),
             ("ours quack, combine apart", ours, lambda b: b(xg), "quack"),
@@ -246,7 +246,8 @@ def train_row(name, ours, hf, sonic, x, notes):
         choices.FFN_IN = choices.FFN_OUT = kernel
         choices.FOLD_COMBINE = "off" if label.endswith("combine apart") else "auto"
         times[label] = attempt(f"train {label}", lambda: bench(lambda: step(block, call)), notes)
-    choices.FFN_IN = choices.FFN_OUT = choices.FOLD_COMBINE = "auto"
+    choices.FFN_IN = choices.FFN_OUT = "auto"
+    choices.FOLD_COMBINE = fold
     return f"| {name} | " + " | ".join("—" if times.get(c) is None else f"{times[c]:.3f}"
                                        for c in TRAIN_COLUMNS) + " |"
 
@@ -300,9 +301,9 @@ def main(argv=None):
         text = header + out_lines
         if train_lines:
             text += ["", "Training step (forward + backward, eager, gradients set to None first), median ms; "
-                     "\"combine apart\": QuACK with the combine's backward not folded into the experts' "
-                     "(MOECOMPILE_FOLD_COMBINE=off: it writes the [N, H] row gradient the experts' backward "
-                     "reads):", "",
+                     "the other columns of ours fold the combine's backward into the experts' QuACK backward "
+                     "(MOECOMPILE_FOLD_COMBINE=auto); \"combine apart\" does not (off: it writes the [N, H] row "
+                     "gradient the experts' backward reads):", "",
                      "| shape | " + " | ".join(TRAIN_COLUMNS) + " |", "|---" * (len(TRAIN_COLUMNS) + 1) + "|",
                      *train_lines]
         if notes:
