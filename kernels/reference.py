@@ -316,7 +316,6 @@ def combine_backward(grad_out, expert_out, order, weights):
     return grad_rows.index_select(0, order).to(expert_out.dtype), grad_weights.to(weights.dtype)
 
 
-
 def experts_combine_train(x, offsets, order, weights, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     """(combine(y, order, weights), h, y) with (y, h) = experts_train(...)."""
     y, h = experts_train(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
@@ -331,6 +330,7 @@ def experts_combine_backward(grad_out, x, offsets, order, weights, w_in, b_in, w
     grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out = experts_backward(
         grad_rows, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, h=h)
     return grad_x, grad_weights, grad_w_in, grad_b_in, grad_w_out, grad_b_out
+
 
 # ---- routed_experts: dispatch + experts + combine as one op (what direct_experts emits)
 

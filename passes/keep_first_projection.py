@@ -19,15 +19,18 @@ EXPERTS_COMBINE_TRAIN = torch.ops.moecompile.experts_combine_train.default
 COMBINE = torch.ops.moecompile.combine.default
 
 
-def _combine_of(node: fx.Node) -> fx.Node | None:
-    """The combine that is the only user of this experts node's output, when its arguments let the two be one op."""
+def _combined_args(node: fx.Node) -> tuple[fx.Node, tuple] | None:
+    """(the combine, experts_combine_train's arguments) where that combine is the only user of this experts node's
+    output and the node's arguments let the two be one op."""
     users = list(node.users)
     if len(users) != 1 or users[0].target is not COMBINE or users[0].args[0] is not node:
         return None
     kw = normalize_function(EXPERTS, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
     if glu_args(kw["activation"], kw.get("interleaved", False), kw.get("alpha", 1.702), kw.get("limit", 7.0)):
         return None  # GPT-OSS's activation: the combined op does not take its arguments
-    return users[0]
+    combine = users[0]
+    return combine, (kw["x"], kw["offsets"], combine.args[1], combine.args[2], kw["w_in"], kw["b_in"], kw["w_out"],
+                     kw["b_out"], kw["activation"], kw["gated"])
 
 
 def _replace(gm: fx.GraphModule, node: fx.Node, target, args: tuple, kwargs: dict) -> None:
@@ -50,15 +53,12 @@ def keep_first_projection(gm: fx.GraphModule, ctx) -> dict:
     report = {"experts_train": [], "experts_combine_train": []}
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is EXPERTS]:
         name = node.meta.get("moecompile_block", node.name)
-        combine = _combine_of(node)
-        if combine is None:
+        combined = _combined_args(node)
+        if combined is None:
             _replace(gm, node, EXPERTS_TRAIN, node.args, node.kwargs)
             report["experts_train"].append(name)
             continue
-        kw = normalize_function(EXPERTS, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
-        order, weights = combine.args[1], combine.args[2]
-        args = (kw["x"], kw["offsets"], order, weights, kw["w_in"], kw["b_in"], kw["w_out"], kw["b_out"],
-                kw["activation"], kw["gated"])
+        combine, args = combined
         if "moecompile_block" in node.meta:
             combine.meta["moecompile_block"] = node.meta["moecompile_block"]
         _replace(gm, combine, EXPERTS_COMBINE_TRAIN, args, {})
