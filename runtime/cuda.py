@@ -106,8 +106,8 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
 
 
 def _trains_on_quack(x, w_in, w_out, activation: str, gated: bool) -> bool:
-    """Whether training runs its GEMMs on QuACK: where training's first projection is QuACK's. experts_train and
-    experts_backward both ask, so the h one keeps is the h the other reads."""
+    """Whether training runs its GEMMs on QuACK: where training's first projection is QuACK's, as experts_train
+    picks it, so the h experts_train keeps is the h the backward reads."""
     return _projection_kernels(x, w_in, w_out, activation, gated, training=True)[0] == "quack"
 
 
@@ -117,11 +117,9 @@ def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: 
     x W_in^T followed by the activation in one Triton pass. The second projection as experts() runs it."""
     if not grouped_mm.supported(x, w_in, w_out):
         return reference.experts_train(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
-    if _trains_on_quack(x, w_in, w_out, activation, gated):
-        a, h = _quack_first_projection(x, offsets, w_in, b_in, activation, gated)
-    else:
-        a, h = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
-    second = _projection_kernels(x, w_in, w_out, activation, gated, training=True)[1]
+    first, second = _projection_kernels(x, w_in, w_out, activation, gated, training=True)
+    project = _quack_first_projection if first == "quack" else _grouped_mm_first_projection
+    a, h = project(x, offsets, w_in, b_in, activation, gated)
     return _second_projection(a, offsets, w_out, b_out, second), h
 
 
