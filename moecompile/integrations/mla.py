@@ -19,7 +19,7 @@ HF's own forward (`absorbs`); both write the same cache.
 from __future__ import annotations
 
 import contextlib
-import types
+import functools
 
 import torch
 
@@ -71,10 +71,17 @@ def absorbs(attention: torch.nn.Module, tokens: int) -> bool:
     return tokens * (2 * rank + rope) < rank * (nope + value) + tokens * (nope + rope + value)
 
 
-def absorbed_forward(attention, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
-                     past_key_values=None, **kwargs):
-    """DeepseekV3Attention.forward's result (output, None) computed in the latent space; HF's own forward where
-    the query is long (`absorbs`)."""
+def _rotary(attention: torch.nn.Module):
+    """HF's RoPE function for attention's config, looked up outside any traced code: Dynamo cannot trace an import of
+    transformers' lazy modules."""
+    hf = _hf_module()
+    return hf.apply_rotary_pos_emb_interleave if attention.config.rope_interleave else hf.apply_rotary_pos_emb
+
+
+def absorbed_forward(attention, rotate, hidden_states: torch.Tensor, position_embeddings, attention_mask=None,
+                     cache=None, past_key_values=None, **kwargs):
+    """DeepseekV3Attention.forward's result (output, None) computed in the latent space, `rotate` applying RoPE
+    (`_rotary`); HF's own forward where the query is long (`absorbs`)."""
     batch, tokens = hidden_states.shape[:-1]
     cache = cache if cache is not None else past_key_values  # transformers renamed it
     if not absorbs(attention, tokens):
@@ -82,7 +89,6 @@ def absorbed_forward(attention, hidden_states: torch.Tensor, position_embeddings
                                        **kwargs)
     heads, rank, nope, rope = (attention.num_heads, attention.kv_lora_rank, attention.qk_nope_head_dim,
                                attention.qk_rope_head_dim)
-    hf = _hf_module()
     if attention.q_lora_rank is None:
         q = attention.q_proj(hidden_states)
     else:
@@ -93,7 +99,6 @@ def absorbed_forward(attention, hidden_states: torch.Tensor, position_embeddings
     c_kv = attention.kv_a_layernorm(c_kv).view(batch, 1, tokens, rank)
     k_pe = k_pe.view(batch, 1, tokens, rope)
     cos, sin = position_embeddings
-    rotate = hf.apply_rotary_pos_emb_interleave if attention.config.rope_interleave else hf.apply_rotary_pos_emb
     q_pe, k_pe = rotate(q_pe, k_pe, cos, sin)
     if cache is not None:  # HF's call: the cache layer keeps [batch, 1, positions, width] and writes in place
         c_kv, k_pe = cache.update(c_kv, k_pe, attention.layer_idx, kwargs=kwargs)
@@ -134,7 +139,7 @@ def _masked(scores: torch.Tensor, mask, tokens: int, length: int) -> torch.Tenso
 def absorbed(modules: list[torch.nn.Module]):
     """HF's decoder layers call the absorbed forward of `modules` inside the block; HF's own forward after it."""
     for module in modules:
-        module.forward = types.MethodType(absorbed_forward, module)
+        module.forward = functools.partial(absorbed_forward, module, _rotary(module))
     try:
         yield
     finally:
