@@ -604,12 +604,13 @@ def main(argv=None) -> int:
                         if mode == "hf-eager":
                             reference, cosine = out, 1.0
                             references[batch] = out
-                    matched = agree(tokens[:, args.context:], reference.sequences[:, args.context:]) \
-                        if reference is not None else -1
+                    # without hf-eager in the run there is nothing to compare with
+                    matched = "—" if reference is None else \
+                        f"{agree(tokens[:, args.context:], reference.sequences[:, args.context:])}/{args.new}"
                     row = (f"| {label} | {batch} | {mode} | {prefill * 1e3:.2f} | {decode * 1e3:.3f} | "
                            f"{batch / decode:.0f} | {weights_floor * 1e3:.3f} | {cache_floor * 1e3:.3f} | "
-                           f"{floor * 1e3:.3f} | {decode / floor:.2f} | {cosine:.5f} | {matched}/{args.new} | "
-                           f"{versus} |")
+                           f"{floor * 1e3:.3f} | {decode / floor:.2f} | "
+                           f"{'—' if math.isnan(cosine) else f'{cosine:.5f}'} | {matched} | {versus} |")
                 except Exception as exc:  # a mode that fails is a row of the table, not the end of the run
                     row = f"| {label} | {batch} | {mode} | **{type(exc).__name__}**: {str(exc).splitlines()[0][:150]} |"
                 release(device)

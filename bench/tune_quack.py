@@ -143,12 +143,14 @@ def main(argv=None):
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--backward", action="store_true", help="also the GEMMs of the experts' training backward")
     p.add_argument("--gemms", default=None, help="only these GEMMs (comma-separated names as the table prints them)")
+    p.add_argument("--commit", default=None, help="the commit for the header where git is absent or stale")
     a = p.parse_args(argv)
     if not quack_gemm.available(torch.device("cuda")):
         sys.exit("tune_quack: needs a Hopper GPU and the quack extra")
     with open(a.json) as fh:
         data = json.load(fh)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip()
     lines = [f"# QuACK expert GEMM tuning on {torch.cuda.get_device_name()}", "",
              f"Commit {commit or 'unknown'}; command `python bench/tune_quack.py {' '.join(sys.argv[1:])}`. "
              "Median ms (triton do_bench) of our adapter's call with QuACK's default configuration and with the "

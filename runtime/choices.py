@@ -26,7 +26,7 @@ from moecompile.core import settings
 
 FFN_IN = settings.ffn_in()  # auto | grouped_mm | triton | triton_decode | triton_tma | triton_persistent | quack
 FFN_OUT = settings.ffn_out()
-FOLD_COMBINE = settings.fold_combine()  # off | auto
+FOLD_COMBINE = settings.fold_combine()  # auto | on | off
 FP8_GEMM = settings.fp8_gemm()  # auto | rowwise | block
 FP8_BLOCK_KERNEL = settings.fp8_block_kernel()  # auto | cutlass | gluon | triton
 # Below this many rows per expert a batch is "decode": tiles are mostly empty and other kernels win.
@@ -122,6 +122,16 @@ def quack_backward_configs(hidden: int, expert_size: int, expert_in_features: in
     quack_gemm.combined_backward, GATHERED_BACKWARD's reading gathered rows."""
     return {name: quack_config(name, k, n, combined and name in GATHERED_BACKWARD)
             for name, (k, n) in quack_backward_sizes(hidden, expert_size, expert_in_features).items()}
+
+
+def folds_combine(hidden: int, expert_size: int, expert_in_features: int) -> bool:
+    """Whether training folds the combine's backward into the experts' QuACK backward (quack_gemm.combined_backward):
+    on, or auto where both GATHERED_BACKWARD GEMMs have a tuned configuration for this shape, because on QuACK's
+    default configurations gathering the rows costs more than the [N, H] row gradient it saves."""
+    if FOLD_COMBINE != "auto":
+        return FOLD_COMBINE == "on"
+    sizes = quack_backward_sizes(hidden, expert_size, expert_in_features)
+    return all(quack_config(name, *sizes[name], gathered=True) is not None for name in GATHERED_BACKWARD)
 
 
 @functools.cache

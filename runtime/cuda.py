@@ -164,10 +164,11 @@ def experts_combine_train(x, offsets, order, weights, w_in, b_in, w_out, b_out, 
 
 def experts_combine_backward(grad_out, x, offsets, order, weights, w_in, b_in, w_out, activation: str, gated: bool,
                              has_b_out: bool, h, y):
-    """On QuACK (gated experts without an output bias, FOLD_COMBINE not off) the combine's backward runs inside the
-    experts' GEMMs (quack_gemm.combined_backward: no [N, H] row gradient written, y unread); else combine_backward,
-    then experts_backward."""
-    if not (choices.FOLD_COMBINE == "auto" and gated and not has_b_out and grouped_mm.supported(x, w_in, w_out)
+    """On QuACK (gated experts without an output bias, where choices.folds_combine) the combine's backward runs
+    inside the experts' GEMMs (quack_gemm.combined_backward: no [N, H] row gradient written, y unread); else
+    combine_backward, then experts_backward."""
+    if not (gated and not has_b_out and grouped_mm.supported(x, w_in, w_out)
+            and choices.folds_combine(x.shape[1], w_out.shape[2], w_in.shape[1])
             and _trains_on_quack(x, w_in, w_out, activation, gated)):
         grad_rows, grad_weights = combine_backward(grad_out, y, order, weights)
         grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out = experts_backward(

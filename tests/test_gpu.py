@@ -202,7 +202,7 @@ def test_quack_combined_backward_matches_float32_reference(activation, gated, bi
     x, ids, weights, k, e, w_in, b_in, w_out, b_out = _quack_case(case, activation, gated, biases != "none",
                                                                   monkeypatch)
     b_out = b_out if biases == "both" else None
-    monkeypatch.setattr(choices, "FOLD_COMBINE", "auto")
+    monkeypatch.setattr(choices, "FOLD_COMBINE", "on")
     folded, combined_backward = [], quack_gemm.combined_backward
     monkeypatch.setattr(quack_gemm, "combined_backward", lambda *a: folded.append(1) or combined_backward(*a))
     rows, order, offsets = ops.dispatch(x, ids, e)

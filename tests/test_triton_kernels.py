@@ -200,6 +200,17 @@ def test_quack_combined_backward_configurations_read_the_gathered_entries(monkey
                                                                  "weight_in": None, "input": {"x": 1}}
 
 
+@pytest.mark.parametrize("setting, tuned, folds", [("auto", ("data", "weight_out"), True), ("auto", ("data",), False),
+                                                    ("on", (), True), ("off", ("data", "weight_out"), False)])
+def test_fold_combine_setting(monkeypatch, setting, tuned, folds):
+    """auto folds the combine's backward only where both gathered backward GEMMs have tuned configurations."""
+    from moecompile.runtime import choices as C
+
+    monkeypatch.setattr(C, "FOLD_COMBINE", setting)
+    monkeypatch.setattr(C, "_quack_table", lambda: {f"{name},k=8,n=4,gathered": {"tile_m": 128} for name in tuned})
+    assert C.folds_combine(8, 4, 16) is folds
+
+
 def _alternating(t):
     """[gate | up] columns -> gate / up pairs (QuACK's gated layout)."""
     return torch.stack(t.chunk(2, dim=-1), dim=-1).flatten(-2)
@@ -239,7 +250,7 @@ def test_folded_combine_backward_bookkeeping_matches_reference(monkeypatch, capa
     from moecompile.runtime import choices
     from moecompile.runtime import cuda as C
 
-    monkeypatch.setattr(choices, "FOLD_COMBINE", "auto")
+    monkeypatch.setattr(choices, "FOLD_COMBINE", "on")
     monkeypatch.setattr(grouped_mm, "supported", lambda *a: True)
     monkeypatch.setattr(C, "_trains_on_quack", lambda *a: True)
     monkeypatch.setattr(quack_gemm, "combined_backward", _quack_combined_backward_emulated)

@@ -28,9 +28,9 @@ def ffn_out() -> str:
 
 def fold_combine() -> str:
     """MOECOMPILE_FOLD_COMBINE: the combine's backward folded into the experts' QuACK backward GEMMs in training
-    (auto: wherever the training GEMMs run on QuACK, gated experts without an output bias) or kept apart (off, the
-    default until the fold has passed its GPU test and been timed)."""
-    return os.environ.get("MOECOMPILE_FOLD_COMBINE", "off")
+    (gated experts without an output bias): auto, where the GEMMs it gathers have tuned configurations
+    (runtime/choices.folds_combine); on, wherever it applies; off, never."""
+    return os.environ.get("MOECOMPILE_FOLD_COMBINE", "auto")
 
 
 def fp8_gemm() -> str:
