@@ -67,6 +67,20 @@ def test_absorbed_tokens_and_first_logits_match_hf(which, compiled):
     assert all("forward" not in vars(m) for m in mla.mla_attentions(model))
 
 
+def test_absorbed_forward_looks_nothing_up_in_transformers(monkeypatch):
+    """The swapped forward has its RoPE function already: an import of transformers' lazy modules inside traced code
+    breaks torch 2.11's Dynamo ("Bad import result"), so the forward must not reach mla._hf_module."""
+    model = _model("variant")
+    ids, mask = _prompt()
+    attentions = mla.mla_attentions(model)
+    with mla.absorbed(attentions):
+        monkeypatch.setattr(mla, "_hf_module", lambda: pytest.fail("transformers looked up inside the forward"))
+        with torch.no_grad():
+            absorbed = model(ids[:, -1:]).logits
+    with torch.no_grad():
+        assert torch.allclose(absorbed, model(ids[:, -1:]).logits, rtol=1e-4, atol=1e-5)
+
+
 def test_generate_takes_absorb_mla_and_off_is_hf_attention(monkeypatch):
     """The decode step reads the latent cache (kv_lora_rank and the rope key per token, one "head") through the
     absorbed forward, never HF's attention; absorb_mla=False calls HF's attention and gives the same tokens."""
