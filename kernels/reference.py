@@ -332,6 +332,12 @@ def experts_combine_backward(grad_out, x, offsets, order, weights, w_in, b_in, w
     return grad_x, grad_weights, grad_w_in, grad_b_in, grad_w_out, grad_b_out
 
 
+def experts_combine_backward_reads_y(x, w_in, w_out, activation: str, gated: bool, has_b_out: bool) -> bool:
+    """Whether experts_combine_backward reads the expert rows y for these operands (always: the combine's backward
+    takes the weights' gradient from them); a device whose backward does not lets the forward drop y."""
+    return True
+
+
 # ---- routed_experts: dispatch + experts + combine as one op (what direct_experts emits)
 
 def routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation: str, gated: bool,

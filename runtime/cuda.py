@@ -162,14 +162,24 @@ def experts_combine_train(x, offsets, order, weights, w_in, b_in, w_out, b_out, 
     return combine(y, order, weights), h, y
 
 
+def _folds_combine(x, w_in, w_out, activation: str, gated: bool, has_b_out: bool) -> bool:
+    """Whether experts_combine_backward folds the combine's backward into the QuACK backward: gated experts without
+    an output bias, trained on QuACK, where choices.folds_combine."""
+    return (gated and not has_b_out and grouped_mm.supported(x, w_in, w_out)
+            and choices.folds_combine(x.shape[1], w_out.shape[2], w_in.shape[1])
+            and _trains_on_quack(x, w_in, w_out, activation, gated))
+
+
+def experts_combine_backward_reads_y(x, w_in, w_out, activation: str, gated: bool, has_b_out: bool) -> bool:
+    return not _folds_combine(x, w_in, w_out, activation, gated, has_b_out)
+
+
 def experts_combine_backward(grad_out, x, offsets, order, weights, w_in, b_in, w_out, activation: str, gated: bool,
                              has_b_out: bool, h, y):
-    """On QuACK (gated experts without an output bias, where choices.folds_combine) the combine's backward runs
-    inside the experts' GEMMs (quack_gemm.combined_backward: no [N, H] row gradient written, y unread); else
+    """Where _folds_combine the combine's backward runs inside the experts' QuACK GEMMs
+    (quack_gemm.combined_backward: no [N, H] row gradient written, y unread: the forward kept none); else
     combine_backward, then experts_backward."""
-    if not (gated and not has_b_out and grouped_mm.supported(x, w_in, w_out)
-            and choices.folds_combine(x.shape[1], w_out.shape[2], w_in.shape[1])
-            and _trains_on_quack(x, w_in, w_out, activation, gated)):
+    if not _folds_combine(x, w_in, w_out, activation, gated, has_b_out):
         grad_rows, grad_weights = combine_backward(grad_out, y, order, weights)
         grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out = experts_backward(
             grad_rows, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, h=h)
@@ -209,7 +219,7 @@ def dispatch_backward(grad_sorted, order, tokens: int, top_k: int):
 
 for _op in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_train", "routed_experts",
             "combine", "combine_backward", "dispatch_backward", "experts_combine_train",
-            "experts_combine_backward"):
+            "experts_combine_backward", "experts_combine_backward_reads_y"):
     register_kernel(_op, "cuda", globals()[_op])
 register_kernel("experts_backward", "cuda", experts_backward, supports={KEPT_H})
 register_kernel("quantize_fp8", "cuda", fp8.quantize_fp8)

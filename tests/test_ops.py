@@ -155,6 +155,38 @@ def test_opcheck_experts_combine(gated, bias_in, bias_out):
         None if d["b_in"] is None else d["b_in"].detach(), d["w_out"].detach(), "silu", gated, bias_out, h, y))
 
 
+@pytest.mark.parametrize("reads_y", [True, False])
+def test_experts_combine_keeps_y_only_for_a_backward_that_reads_it(isolated_registry, reads_y):
+    """The forward saves the expert rows y [N, H] only where the device's experts_combine_backward will read them
+    (experts_combine_backward_reads_y); a folding backward (here the reference, recomputing y, standing in for one)
+    gets an empty y and gives the same gradients."""
+    d = setup_moe(61, cf=0.5, gated=True, dtype=torch.float64, requires_grad=True)
+    args = (d["rows"], d["offsets"], d["order"], d["weights"], d["w_in"], d["b_in"], d["w_out"], d["b_out"], "silu",
+            True)
+
+    def folding_backward(grad_out, x, offsets, order, weights, w_in, b_in, w_out, activation, gated, has_b_out, h,
+                         y):
+        assert y.numel() == 0
+        y = R.experts(x, offsets, w_in, b_in, w_out, None, activation, gated)
+        return R.experts_combine_backward(grad_out, x, offsets, order, weights, w_in, b_in, w_out, activation, gated,
+                                          has_b_out, h, y)
+
+    register_kernel("experts_combine_backward_reads_y", "cpu", lambda *a: reads_y)
+    register_kernel("experts_combine_backward", "cpu", R.experts_combine_backward if reads_y else folding_backward)
+    args = args[:7] + (None,) + args[8:]  # a folding backward takes no output bias
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.data_ptr()) or t, lambda t: t):
+        out, _, y = OPS.experts_combine_train(*args)
+    assert (y.data_ptr() in saved) is reads_y
+    params = [d[n] for n in ("rows", "weights", "w_in", "b_in", "w_out")]
+    grad_out = randn(d["g"], *out.shape, dtype=torch.float64)
+    got = torch.autograd.grad(out, params, grad_out)
+    want = torch.autograd.grad(OPS.combine(OPS.experts(*args[:2], *args[4:]), d["order"], d["weights"]), params,
+                               grad_out)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
 @pytest.mark.parametrize("activation,interleaved,fused", [("silu", False, True), ("swiglu_oai", True, False)])
 def test_expert_ffn_combine_is_one_op_in_eager_training(moe_op_log, activation, interleaved, fused):
     """expert_ffn_combine: experts_combine_train when autograd will run the backward (not for GPT-OSS's activation

@@ -326,7 +326,11 @@ def _(grad_out, x, offsets, order, weights, w_in, b_in, w_out, activation, gated
 def _experts_combine_setup(ctx, inputs, output):
     x, offsets, order, weights, w_in, b_in, w_out, b_out, activation, gated = inputs
     ctx.mark_non_differentiable(output[1], output[2])
-    ctx.save_for_backward(x, offsets, order, weights, w_in, b_in, w_out, output[1], output[2])
+    # eager only: a traced graph's saved tensors are the partitioner's, and the kernel's choice is made at run time
+    reads_y = torch.compiler.is_compiling() or _kernel("experts_combine_backward_reads_y", x)(
+        x, w_in, w_out, activation, gated, b_out is not None)
+    y = output[2] if reads_y else output[2].new_empty(0)  # [N, H] not kept where the backward will not read it
+    ctx.save_for_backward(x, offsets, order, weights, w_in, b_in, w_out, output[1], y)
     ctx.activation, ctx.gated, ctx.has_b_out = activation, gated, b_out is not None
 
 
