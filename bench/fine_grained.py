@@ -21,8 +21,10 @@ Each shape's rows are printed as soon as they are measured (a run cut short keep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -46,6 +48,7 @@ SHAPES = {  # name: (d, f, E, k, tokens), in the order a run cut short should ke
 GEMM_KERNELS = ("triton_persistent", "grouped_mm", "quack")
 TRAIN_SHAPES = ("qwen3-moe", "mixtral")  # the issue's training targets
 WITH_SONIC = True  # --no-sonic: its autotuning compiles for minutes per shape
+SONIC_CACHE = None  # --sonic-cache: where SonicMoE's autotuning results are kept between runs
 TRAIN_COLUMNS = ("ours", "ours quack", "ours quack, folded", "ours quack, combine apart", "ours grouped_mm",
                  "HF grouped_mm", "SonicMoE")
 
@@ -134,6 +137,25 @@ def gathered_quack(ours, x2, k, interleaved):
     return graph_bench(layer), out
 
 
+@contextlib.contextmanager
+def sonic_tuning():
+    """SonicMoE's QuACK autotuning results (QuACK keeps them on disk) read from and written to
+    SONIC_CACHE/<device>: a later run on the same card class skips minutes of tuning, and no other caller's results
+    (ours, whose weight layout differs under the same key) are served to it."""
+    if SONIC_CACHE is None:
+        yield
+        return
+    before = os.environ.get("QUACK_CACHE_DIR")
+    os.environ["QUACK_CACHE_DIR"] = os.path.join(SONIC_CACHE, re.sub(r"\W+", "-", torch.cuda.get_device_name()))
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["QUACK_CACHE_DIR"]
+        else:
+            os.environ["QUACK_CACHE_DIR"] = before
+
+
 def sonic_module(ours, d, f, e, k):
     if not WITH_SONIC:
         return None
@@ -181,7 +203,8 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
         sonic = attempt("SonicMoE build", lambda: sonic_module(ours, d, f, e, k), notes)
         if sonic is not None:
             sonic.eval()
-            so = attempt("SonicMoE forward", lambda: sonic(x, is_inference_mode=True)[0], notes)
+            with sonic_tuning():
+                so = attempt("SonicMoE forward", lambda: sonic(x, is_inference_mode=True)[0], notes)
             if so is not None:
                 errs["sonic"] = moe_layer.rel(so.reshape(x2.shape), ref)
                 r["sonic"] = attempt("SonicMoE timing", lambda: bench(lambda: sonic(x, is_inference_mode=True)),
@@ -247,7 +270,8 @@ def train_row(name, ours, hf, sonic, x, notes):
         block.train()
         choices.FFN_IN = choices.FFN_OUT = kernel
         choices.FOLD_COMBINE = {"ours quack, folded": "on", "ours quack, combine apart": "off"}.get(label, "auto")
-        times[label] = attempt(f"train {label}", lambda: bench(lambda: step(block, call)), notes)
+        with sonic_tuning() if block is sonic else contextlib.nullcontext():
+            times[label] = attempt(f"train {label}", lambda: bench(lambda: step(block, call)), notes)
     choices.FFN_IN = choices.FFN_OUT = "auto"
     choices.FOLD_COMBINE = fold
     return f"| {name} | " + " | ".join("—" if times.get(c) is None else f"{times[c]:.3f}"
@@ -264,9 +288,11 @@ def main(argv=None):
                    help="also the layer with QuACK's first projection gathering token rows (measured slower)")
     p.add_argument("--train-only", action="store_true", help="only the training rows (of every --shapes shape)")
     p.add_argument("--no-sonic", action="store_true", help="without SonicMoE")
+    p.add_argument("--sonic-cache", default=None,
+                   help="keep SonicMoE's autotuning results here, apart from other callers' (gpu_check.sh sets it)")
     a = p.parse_args(argv)
-    global WITH_SONIC
-    WITH_SONIC = not a.no_sonic
+    global WITH_SONIC, SONIC_CACHE
+    WITH_SONIC, SONIC_CACHE = not a.no_sonic, a.sonic_cache
     torch.backends.cuda.matmul.allow_tf32 = False
     start = time.time()
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

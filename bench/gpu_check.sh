@@ -17,8 +17,9 @@ shift || true
 if [ -f .whlx/libs.tar.xz ] && [ ! -d /tmp/site/nvidia_cutlass_dsl ]; then  # QuACK's CuTe DSL runtime (one call's
   mkdir -p /tmp/site && tar -C /tmp/site -xJf .whlx/libs.tar.xz              # size limit: carried repacked as tar.xz)
 fi
-# QuACK compiles its autotuning candidates in parallel; its on-disk autotuning results stay off: their key does not
-# tell weight layouts apart, so one caller's tuning (bench/tune_quack.py's) would be served to another (SonicMoE)
+# QuACK compiles its autotuning candidates in parallel and keeps its autotuning results on disk. Their key does not
+# tell weight layouts apart, so SonicMoE's go to a folder of their own (fine_grained.py --sonic-cache), which comes
+# back in $OUT/sonic-autotune: copy it to .peers/sonic-autotune and carry it, and the next run skips SonicMoE's tuning
 export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-16}
 installed=/tmp/moecompile-installed  # several checks in one call install once
 if ls .whl/*.whl > /dev/null 2>&1; then  # wheels the machine lacks (nvidia-cutlass: the CUTLASS FP8 headers; QuACK)
@@ -42,7 +43,10 @@ case "$what" in
       | tee "$out/quack-tuning$tag.log" ;;
   fine-grained)
     peer=$([ -f .peers/vllm/fused_moe.py ] && echo --vllm)
-    python3 bench/fine_grained.py $peer --out "$out/fine-grained$tag.md" "$@" 2>&1 | tee "$out/fine-grained$tag.log" ;;
+    mkdir -p "$out/sonic-autotune"
+    [ -d .peers/sonic-autotune ] && cp -r .peers/sonic-autotune/. "$out/sonic-autotune/"
+    python3 bench/fine_grained.py $peer --sonic-cache "$out/sonic-autotune" --out "$out/fine-grained$tag.md" "$@" 2>&1 \
+      | tee "$out/fine-grained$tag.log" ;;
   *) echo "usage: bench/gpu_check.sh tests [PATHS]|layer|generate [ARGS]|tune-quack [ARGS]|fine-grained [ARGS]" >&2
      exit 2 ;;
 esac
