@@ -226,6 +226,16 @@ def test_quack_combined_backward_matches_float32_reference(activation, gated, bi
             assert _rel(g, w) <= 2e-2, name
     assert not got[0][kept:].any()  # dropped rows
     assert not got[1][ids == e].any()  # dropped assignments' weights
+    # through autograd, as the MoE modules train: the same gradients, and y kept only for a backward that reads it
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (rows, weights, w_in, b_in, w_out, b_out)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.data_ptr()) or t, lambda t: t):
+        out, _, y = ops.experts_combine_train(*leaves[:1], offsets, order, *leaves[1:], activation, gated)
+    assert (y.data_ptr() in saved) != bool(folded)
+    out.backward(grad_out)
+    for name, g, leaf in zip(("x", "weights", "w_in", "b_in", "w_out", "b_out"), got, leaves):
+        if leaf is not None:
+            assert _rel(leaf.grad, g) <= 1e-3, name
 
 
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
