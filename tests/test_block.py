@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from naive import naive_act
 from torch import nn
 
 import moecompile
@@ -15,18 +16,6 @@ ATOL, RTOL = 1e-5, 1e-4
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
-
-
-def naive_act(name, x):
-    if name == "gelu":
-        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
-    if name == "gelu_tanh":
-        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
-    if name == "relu":
-        return torch.where(x > 0, x, torch.zeros_like(x))
-    if name == "silu":
-        return x / (1.0 + torch.exp(-x))
-    raise AssertionError(name)
 
 
 def naive_expert(block, e, v):

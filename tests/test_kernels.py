@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from naive import naive_act
 
 from moecompile.core import activations as A
 from moecompile.kernels import reference as R
@@ -24,18 +25,6 @@ def gen(seed: int) -> torch.Generator:
 
 def randn(g, *shape, scale=1.0):
     return torch.randn(*shape, generator=g, dtype=torch.float32) * scale
-
-
-def naive_act(name, x):
-    if name == "gelu":
-        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
-    if name == "gelu_tanh":
-        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
-    if name == "relu":
-        return torch.where(x > 0, x, torch.zeros_like(x))
-    if name == "silu":
-        return x / (1.0 + torch.exp(-x))
-    raise AssertionError(name)
 
 
 def naive_ffn(v, e, w_in, b_in, w_out, b_out, act, gated):
