@@ -24,11 +24,11 @@ from importlib import resources
 
 from moecompile.core import settings
 
-FFN_IN = settings.ffn_in()  # auto | grouped_mm | triton | triton_decode | triton_tma | triton_persistent | quack
+FFN_IN = settings.ffn_in()  # the values each accepts: moecompile/core/settings.py
 FFN_OUT = settings.ffn_out()
-FOLD_COMBINE = settings.fold_combine()  # auto | on | off
-FP8_GEMM = settings.fp8_gemm()  # auto | rowwise | block
-FP8_BLOCK_KERNEL = settings.fp8_block_kernel()  # auto | cutlass | gluon | triton
+FOLD_COMBINE = settings.fold_combine()
+FP8_GEMM = settings.fp8_gemm()
+FP8_BLOCK_KERNEL = settings.fp8_block_kernel()
 # Below this many rows per expert a batch is "decode": tiles are mostly empty and other kernels win.
 DECODE_ROWS_PER_EXPERT = 64
 # Below this many rows per expert an eager (uncompiled) call of the HF experts integration on CUDA runs HF's own

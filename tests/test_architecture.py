@@ -194,3 +194,19 @@ def test_only_the_mapped_folders_are_subpackages_of_a_checkout():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["None", "None", *(str(ROOT / f) for f in ("kernels", "passes", "runtime"))]
+
+
+@pytest.mark.parametrize("read, name, allowed", [("ffn_in", "MOECOMPILE_FFN_IN", "quack"),
+                                                 ("fold_combine", "MOECOMPILE_FOLD_COMBINE", "off"),
+                                                 ("fp8_block_kernel", "MOECOMPILE_FP8_BLOCK_KERNEL", "gluon")])
+def test_a_kernel_setting_outside_its_values_is_a_clear_error(monkeypatch, read, name, allowed):
+    from moecompile.core import settings
+    from moecompile.core.errors import MoECompileError
+
+    monkeypatch.setenv(name, allowed)
+    assert getattr(settings, read)() == allowed
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(MoECompileError, match=f"^{name}='yes': expected one of auto, "):
+        getattr(settings, read)()
+    monkeypatch.delenv(name)
+    assert getattr(settings, read)() == "auto"

@@ -1,4 +1,5 @@
-"""Every environment variable moecompile reads, read here and nowhere else (a leaf: the standard library only).
+"""Every environment variable moecompile reads, read here and nowhere else (a leaf: the standard library and
+core.errors only).
 
 Each function reads the environment when called, so a changed environment takes effect (tests use
 monkeypatch.setenv); a caller that wants one value for the whole process reads it once, at import.
@@ -7,6 +8,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from moecompile.core.errors import MoECompileError
+
+
+def _one_of(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    """The variable's value, or default when unset; a value outside `allowed` is a one-line error, not a silent
+    fallback to some other kernel."""
+    value = os.environ.get(name, default)
+    if value not in allowed:
+        raise MoECompileError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+    return value
+
+
+EXPERT_GEMMS = ("auto", "grouped_mm", "triton", "triton_decode", "triton_tma", "triton_persistent", "quack")
 
 
 def kernels() -> str | None:
@@ -18,30 +33,30 @@ def kernels() -> str | None:
 def ffn_in() -> str:
     """MOECOMPILE_FFN_IN: the CUDA kernel of the experts' first projection: auto (the tuned choice per shape),
     grouped_mm, triton, triton_decode, triton_tma, triton_persistent or quack (the quack extra, Hopper)."""
-    return os.environ.get("MOECOMPILE_FFN_IN", "auto")
+    return _one_of("MOECOMPILE_FFN_IN", "auto", EXPERT_GEMMS)
 
 
 def ffn_out() -> str:
     """MOECOMPILE_FFN_OUT: the same for the second projection."""
-    return os.environ.get("MOECOMPILE_FFN_OUT", "auto")
+    return _one_of("MOECOMPILE_FFN_OUT", "auto", EXPERT_GEMMS)
 
 
 def fold_combine() -> str:
     """MOECOMPILE_FOLD_COMBINE: the combine's backward folded into the experts' QuACK backward GEMMs in training
     (gated experts without an output bias): auto, where the GEMMs it gathers have tuned configurations
     (runtime/choices.folds_combine); on, wherever it applies; off, never."""
-    return os.environ.get("MOECOMPILE_FOLD_COMBINE", "auto")
+    return _one_of("MOECOMPILE_FOLD_COMBINE", "auto", ("auto", "on", "off"))
 
 
 def fp8_gemm() -> str:
     """MOECOMPILE_FP8_GEMM: the FP8 expert GEMMs' scaling on CUDA: auto, rowwise or block."""
-    return os.environ.get("MOECOMPILE_FP8_GEMM", "auto")
+    return _one_of("MOECOMPILE_FP8_GEMM", "auto", ("auto", "rowwise", "block"))
 
 
 def fp8_block_kernel() -> str:
     """MOECOMPILE_FP8_BLOCK_KERNEL: the kernel of block-scaled FP8 batches on sm_90: auto, cutlass, gluon or
     triton."""
-    return os.environ.get("MOECOMPILE_FP8_BLOCK_KERNEL", "auto")
+    return _one_of("MOECOMPILE_FP8_BLOCK_KERNEL", "auto", ("auto", "cutlass", "gluon", "triton"))
 
 
 def cutlass_lib() -> str | None:
