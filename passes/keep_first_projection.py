@@ -26,7 +26,7 @@ def _combined_args(node: fx.Node) -> tuple[fx.Node, tuple] | None:
     if len(users) != 1 or users[0].target is not COMBINE or users[0].args[0] is not node:
         return None
     kw = normalize_function(EXPERTS, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
-    if glu_args(kw["activation"], kw.get("interleaved", False), kw.get("alpha", 1.702), kw.get("limit", 7.0)):
+    if glu_args(kw["activation"], kw["interleaved"], kw["alpha"], kw["limit"]):  # normalize_function fills defaults
         return None  # GPT-OSS's activation: the combined op does not take its arguments
     combine = users[0]
     return combine, (kw["x"], kw["offsets"], combine.args[1], combine.args[2], kw["w_in"], kw["b_in"], kw["w_out"],
