@@ -178,8 +178,10 @@ def experts_combine_backward(grad_out, x, offsets, order, weights, w_in, b_in, w
                              has_b_out: bool, h, y):
     """Where _folds_combine the combine's backward runs inside the experts' QuACK GEMMs
     (quack_gemm.combined_backward: no [N, H] row gradient written, y unread: the forward kept none); else
-    combine_backward, then experts_backward."""
-    if not _folds_combine(x, w_in, w_out, activation, gated, has_b_out):
+    combine_backward, then experts_backward. A y the forward did not keep means the forward chose the fold, so the
+    backward follows that choice even if the settings changed in between."""
+    forward_folded = y.numel() == 0 < order.numel()
+    if not (forward_folded or _folds_combine(x, w_in, w_out, activation, gated, has_b_out)):
         grad_rows, grad_weights = combine_backward(grad_out, y, order, weights)
         grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out = experts_backward(
             grad_rows, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, h=h)
