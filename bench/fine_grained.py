@@ -48,6 +48,7 @@ SHAPES = {  # name: (d, f, E, k, tokens), in the order a run cut short should ke
 GEMM_KERNELS = ("triton_persistent", "grouped_mm", "quack")
 TRAIN_SHAPES = ("qwen3-moe", "mixtral")  # the issue's training targets
 WITH_SONIC = True  # --no-sonic: its autotuning compiles for minutes per shape
+PROFILE = False  # --profile: a kernel breakdown of our layer per shape
 SONIC_CACHE = None  # --sonic-cache: where SonicMoE's autotuning results are kept between runs
 TRAIN_COLUMNS = ("ours", "ours quack", "ours quack, folded", "ours quack, combine apart", "ours grouped_mm",
                  "HF grouped_mm", "SonicMoE")
@@ -111,9 +112,10 @@ def gemm_times(ours, x2, ids, notes):
     return times
 
 
-def gathered_quack(ours, x2, k, interleaved):
-    """(ms, output): the layer with QuACK's first projection gathering rows (no dispatch copy); interleaved: W_in's
-    gate and up rows alternating (SonicMoE's layout, converted once here) instead of gate rows first."""
+def gathered_quack(ours, x2, k, interleaved, timed=True):
+    """(ms, output), or the layer's function where not timed: the layer with QuACK's first projection gathering
+    rows (no dispatch copy); interleaved: W_in's gate and up rows alternating (SonicMoE's layout, converted once
+    here) instead of gate rows first."""
     from moecompile.kernels import quack_gemm, reference, triton_moe, triton_routing
     from moecompile.runtime import choices
 
@@ -133,6 +135,8 @@ def gathered_quack(ours, x2, k, interleaved):
                                         config=first)
         return triton_moe.combine(quack_gemm.second_projection(a, cu, w_out, None, config=second), order, weights)
 
+    if not timed:
+        return layer
     out = layer()
     return graph_bench(layer), out
 
@@ -200,6 +204,13 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
             g = attempt(f"ours {label} quack", lambda: gathered_quack(ours, x2, k, interleaved), notes)
             if g is not None:
                 r[f"ours {label} quack"], errs[label] = g[0], moe_layer.rel(g[1], ref)
+        if PROFILE:  # where the layer's time goes beyond its two GEMMs: eager, so every kernel shows
+            choices.FFN_IN = choices.FFN_OUT = "quack"
+            attempt("profile", lambda: moe_layer.print_kernel_profile(f"{name} ours quack", lambda: ours(x)), notes)
+            choices.FFN_IN = choices.FFN_OUT = "auto"
+            if gathered:
+                attempt("profile gathered", lambda: moe_layer.print_kernel_profile(
+                    f"{name} ours gathered quack", gathered_quack(ours, x2, k, False, timed=False)), notes)
         sonic = attempt("SonicMoE build", lambda: sonic_module(ours, d, f, e, k), notes)
         if sonic is not None:
             sonic.eval()
@@ -288,11 +299,12 @@ def main(argv=None):
                    help="also the layer with QuACK's first projection gathering token rows (measured slower)")
     p.add_argument("--train-only", action="store_true", help="only the training rows (of every --shapes shape)")
     p.add_argument("--no-sonic", action="store_true", help="without SonicMoE")
+    p.add_argument("--profile", action="store_true", help="print a kernel breakdown of our layer (and gathered)")
     p.add_argument("--sonic-cache", default=None,
                    help="keep SonicMoE's autotuning results here, apart from other callers' (gpu_check.sh sets it)")
     a = p.parse_args(argv)
-    global WITH_SONIC, SONIC_CACHE
-    WITH_SONIC, SONIC_CACHE = not a.no_sonic, a.sonic_cache
+    global WITH_SONIC, SONIC_CACHE, PROFILE
+    WITH_SONIC, SONIC_CACHE, PROFILE = not a.no_sonic, a.sonic_cache, a.profile
     torch.backends.cuda.matmul.allow_tf32 = False
     start = time.time()
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

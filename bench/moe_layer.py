@@ -140,6 +140,18 @@ def vllm_peer(ours, x, k, lines, name, r):
     print(line, flush=True)
 
 
+def print_kernel_profile(label: str, fn, reps: int = 5) -> None:
+    """The CUDA kernels of `reps` calls of fn, by total time (divide by reps for one call's share)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    print(f"profile {label}, {reps} calls:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+
+
 def run_shape(name, d, f, e, k, tokens, copy_bw, lines, train, profile=False, vllm=False):
     ours, hf = build(d, f, e, k)
     x = torch.randn(1, tokens, d, device="cuda", dtype=torch.bfloat16)
@@ -170,12 +182,7 @@ def run_shape(name, d, f, e, k, tokens, copy_bw, lines, train, profile=False, vl
         r["weight_read"] = hit * 3 * d * f * 2 / copy_bw * 1e3  # ms to read the hit experts' weights once
         if profile:
             use_variant(mc, best)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    ours(x)
-                torch.cuda.synchronize()
-            print(f"profile {name} ({best}):")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+            print_kernel_profile(f"{name} ({best})", lambda: ours(x))
     flops = 6 * tokens * k * d * f
     best_ours = min(r["ours"], r["ours_graph"])
     best_peer = min(r["hf"], r["hf_compile"])
