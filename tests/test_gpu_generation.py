@@ -69,7 +69,7 @@ def test_generate_cuda_graph(family, batch):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("batch", [1, 16, 64])
 def test_sampling_with_a_seed_reproduces_under_cuda_graph_replay(family, batch):
     """The sampled decode step captured with its generator: the call that captures (warm-up steps, then replays),
     a call of replays only and the same step uncaptured give the same tokens for one seed, so every replay draws
