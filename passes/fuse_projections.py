@@ -12,7 +12,8 @@ must be views of which rows of the fused buffer: the backend rebinds each parame
 (compiling checks the inputs against what Dynamo saw), and again when one was since replaced by another tensor.
 In-place updates (load_state_dict, optimiser steps) then reach the fused weights, and a later graph of the same
 model (prefill and decode step) finds them fused and shares the buffer. Inference graphs only (a training graph
-keeps its parameters' gradients apart).
+keeps its parameters' gradients apart). An FP8 checkpoint's linears (moecompile::linear_fp8, weight [N, K] with a
+scale per 128 x 128 block) fuse the same way, weights and scales each stacked, where every N is whole blocks.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from collections import defaultdict
 import torch
 from torch import fx
 
+from moecompile.core.fp8_format import WEIGHT_BLOCK
 from moecompile.passes.nodes import arg, kind
 
 
@@ -33,19 +35,36 @@ def _real(node, inputs: dict) -> torch.Tensor | None:
     return t if plain and len(node.users) == 1 and t.is_contiguous() else None
 
 
+# the linears this pass fuses: kind -> (the op a fused node calls, its input argument, the arguments whose rows
+# are stacked: weight first; a bias, where given, last)
+LINEAR_FP8 = torch.ops.moecompile.linear_fp8.default
+_LINEARS = {"linear": (torch.nn.functional.linear, "input", ("weight", "bias")),
+            "linear_fp8": (LINEAR_FP8, "x", ("weight", "weight_scale_inv", "bias"))}
+
+
+def _linear_kind(node: fx.Node) -> str | None:
+    return "linear_fp8" if node.op == "call_function" and node.target is LINEAR_FP8 else kind(node)
+
+
 def _fusable(node: fx.Node, inputs: dict) -> tuple | None:
-    """(x, weight node, weight, bias node or None, bias or None) of a linear this pass can fuse."""
-    if kind(node) != "linear":
+    """(x, [(placeholder, real tensor) of each stacked argument], with a bias) of a linear this pass can fuse."""
+    linear = _LINEARS.get(_linear_kind(node))
+    if linear is None:
         return None
-    x, w_node, b_node = arg(node, "input"), arg(node, "weight"), arg(node, "bias")
-    w = _real(w_node, inputs)
+    _, input_name, stacked = linear
+    x, b_node = arg(node, input_name), arg(node, "bias")
+    names = stacked if b_node is not None else stacked[:-1]
+    parts = [(arg(node, name), _real(arg(node, name), inputs)) for name in names]
+    w = parts[0][1]
     # an empty weight (Qwen2-MoE's unused shared expert) saves nothing, and its storage may sit at a neighbour's address
     if not isinstance(x, fx.Node) or w is None or w.dim() != 2 or w.numel() == 0:
         return None
-    if b_node is None:
-        return x, w_node, w, None, None
-    b = _real(b_node, inputs)
-    return None if b is None or b.dim() != 1 or b.dtype != w.dtype else (x, w_node, w, b_node, b)
+    if any(t is None for _, t in parts) or (b_node is not None and parts[-1][1].dim() != 1):
+        return None
+    # FP8 weights: whole 128-row scale blocks, so that the stacked scales still describe the stacked weight
+    if len(names) > 1 and names[1] == "weight_scale_inv" and w.shape[0] % WEIGHT_BLOCK:
+        return None
+    return x, parts, b_node is not None
 
 
 def _fused(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
@@ -83,7 +102,8 @@ def _constant(gm: fx.GraphModule, name: str, tensor: torch.Tensor, before: fx.No
 
 
 def fuse_projections(gm: fx.GraphModule, ctx) -> dict:
-    """Pass: linears of one input with real, same-dtype weights (all with biases or none) -> one linear + split."""
+    """Pass: linears (or FP8 linears) of one input with real weights alike but for their rows (all with biases or
+    none) -> one linear + split."""
     if ctx.training:
         return {"skipped": "training graph"}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -95,32 +115,37 @@ def fuse_projections(gm: fx.GraphModule, ctx) -> dict:
     for node in gm.graph.nodes:
         found = _fusable(node, inputs)
         if found:
-            x, _, w, _, b = found
-            groups[(x, w.dtype, w.device, w.shape[1:], b is None)].append((node, *found[1:]))
+            x, parts, with_bias = found
+            layout = tuple((t.dtype, t.device, t.shape[1:]) for _, t in parts)  # all but the stacked rows alike
+            groups[(_linear_kind(node), x, layout, with_bias)].append((node, parts))
     fused = []
-    for members in groups.values():
+    for (linear_kind, *_, with_bias), members in groups.items():
         if len(members) < 2:
             continue
-        with_bias = members[0][4] is not None
-        weights = _fused([m[2] for m in members])
-        biases = _fused([m[4] for m in members]) if with_bias and weights else None
-        if weights is None or (with_bias and biases is None):
+        buffers = []  # per stacked argument: (the fused buffer, each member's part of it)
+        for position in range(len(members[0][1])):
+            buffers.append(_fused([parts[position][1] for _, parts in members]))
+            if buffers[-1] is None:
+                break
+        if buffers[-1] is None:
             continue
         first = members[0][0]
+        call, input_name, stacked = _LINEARS[linear_kind]
         name = f"fused_projection_{len(fused)}"
-        w_node = _constant(gm, name, weights[0], first)
-        b_node = _constant(gm, f"{name}_bias", biases[0], first) if with_bias else None
+        nodes = [_constant(gm, name if position == 0 else f"{name}_{stacked[position]}", buffer, first)
+                 for position, (buffer, _) in enumerate(buffers)]
         with gm.graph.inserting_before(first):
-            y = gm.graph.call_function(torch.nn.functional.linear, (arg(first, "input"), w_node, b_node))
-            parts = gm.graph.call_function(torch.split, (y, [m[2].shape[0] for m in members], -1))
-            outputs = [gm.graph.call_method("contiguous", (gm.graph.call_function(operator.getitem, (parts, i)),))
+            y = gm.graph.call_function(call, (arg(first, input_name), *nodes, *([] if with_bias else [None])))
+            rows = [parts[0][1].shape[0] for _, parts in members]
+            split = gm.graph.call_function(torch.split, (y, rows, -1))
+            outputs = [gm.graph.call_method("contiguous", (gm.graph.call_function(operator.getitem, (split, i)),))
                        for i in range(len(members))]
-        for i, ((node, w_in, _, b_in, _), part) in enumerate(zip(members, outputs)):
+        for i, ((node, parts), part) in enumerate(zip(members, outputs)):
             part.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val", "stack_trace")})
             node.replace_all_uses_with(part)
             gm.graph.erase_node(node)
-            ctx.input_aliases.append((index[w_in], weights[1][i]))
-            if with_bias:
-                ctx.input_aliases.append((index[b_in], biases[1][i]))
-        fused.append(f"{', '.join(_module(m[1].name) for m in members)} -> {tuple(weights[0].shape)}")
+            for (placeholder, _), (_, pieces) in zip(parts, buffers):
+                ctx.input_aliases.append((index[placeholder], pieces[i]))
+        fused.append(f"{', '.join(_module(parts[0][0].name) for _, parts in members)} -> "
+                     f"{tuple(buffers[0][0].shape)}")
     return {"fused": fused}

@@ -26,22 +26,24 @@ SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
 FAMILIES = {
     # 16 experts top-2: one token is decode-sized (direct experts, routed_experts_fp8)
-    "qwen3_moe": (Qwen3MoeForCausalLM, lambda: Qwen3MoeConfig(**SHAPES, head_dim=16, moe_intermediate_size=128,
-                                                                 num_experts=16, num_experts_per_tok=2)),
+    "qwen3_moe": (Qwen3MoeForCausalLM, lambda **sizes: Qwen3MoeConfig(**{
+        **SHAPES, "head_dim": 16, "moe_intermediate_size": 128, "num_experts": 16, "num_experts_per_tok": 2, **sizes})),
     # 4 experts top-2: the sorted experts_fp8 at every size
-    "mixtral": (MixtralForCausalLM, lambda: MixtralConfig(**SHAPES, num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral": (MixtralForCausalLM, lambda **sizes: MixtralConfig(**{
+        **SHAPES, "num_local_experts": 4, "num_experts_per_tok": 2, **sizes})),
 }
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
-def native_fp8(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, nn.Module]:
-    """(FP8 model, reference): a tiny model converted by finegrained_fp8.to_native_fp8 to transformers' FP8 modules
+def native_fp8(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **sizes
+               ) -> tuple[nn.Module, nn.Module]:
+    """(FP8 model, reference): a tiny model (its config's `sizes` changed) converted by finegrained_fp8.to_native_fp8 to transformers' FP8 modules
     (what from_pretrained builds for an FP8 checkpoint; lm_head kept, as FP8 checkpoints keep it) with 128 x 128
     block-quantised random weights; the reference is the same model with each of those weights dequantised (plain
     HF modules, in dtype)."""
     cls, config = FAMILIES[family]
     torch.manual_seed(seed)
-    reference = cls(config()).eval()
+    reference = cls(config(**sizes)).eval()
     with torch.no_grad():  # HF's init is tiny: larger weights make the routing and the FP8 error count
         for p in reference.parameters():
             if p.dim() >= 2:
@@ -157,6 +159,33 @@ def test_backend_runs_the_stored_fp8_weights(family):
         assert _ops(gm, "linear_fp8") == 8  # q, k, v, o of two layers; routers and lm_head stay as they are
         assert not _float_copies(gm, shapes)
         assert all("as stored" in r for r in reports["insert_fp8"]["rewritten"])
+
+
+def test_fp8_linears_of_one_input_fuse_into_one():
+    """q / k / v over whole 128-row scale blocks (4 heads of 32, as many key / value heads) compile to one
+    linear_fp8 over their stacked FP8 weights and scales: the unfused graph's logits; the model's weights and scales
+    become views of the stacked buffers, so an in-place change of one scale reaches the compiled model."""
+    model, reference = native_fp8("qwen3_moe", num_key_value_heads=4, head_dim=32)
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(2))
+    results = {}
+    for fuse in (False, True):
+        torch._dynamo.reset()
+        moecompile.backend.clear_records()
+        with torch.no_grad():
+            results[fuse] = moecompile.compile(model, fuse_projections=fuse, **NO_INDUCTOR)(ids, use_cache=False).logits
+    (record,) = moecompile.backend.records()
+    assert len(dict(record.reports)["fuse_projections"]["fused"]) == 2, record.reports
+    assert _ops(record.graph_module, "linear_fp8") == 4  # q/k/v fused and o, two layers
+    torch.testing.assert_close(results[True], results[False], rtol=1e-5, atol=1e-5)
+    attention = model.model.layers[0].self_attn
+    q_scale = attention.q_proj.weight_scale_inv
+    assert q_scale.untyped_storage().data_ptr() == attention.k_proj.weight_scale_inv.untyped_storage().data_ptr()
+    with torch.no_grad():
+        q_scale.mul_(2)
+        reference.model.layers[0].self_attn.q_proj.weight.mul_(2)
+        got = moecompile.compile(model, **NO_INDUCTOR)(ids, use_cache=False).logits
+        assert _cosine(got, reference(ids, use_cache=False).logits) >= 0.999
+    torch._dynamo.reset()
 
 
 def test_generate_matches_the_dequantised_model():
