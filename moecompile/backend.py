@@ -11,7 +11,6 @@ the same name twice fails).
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -128,17 +127,6 @@ def _traced_options() -> dict:
     return {}
 
 
-def one_row_linears(gm: fx.GraphModule) -> int:
-    """How many of the graph's linears read a single row, when they are most of its linears (a batch-1 decode step,
-    whose other linears may read the cache, as DeepSeek-V3's kv_b_proj does; not a prefill, whose one-row linear is
-    the logits head), else 0."""
-    from moecompile.passes.nodes import arg, kind, value
-
-    rows = [getattr(value(arg(n, "input")), "shape", None) for n in gm.graph.nodes if kind(n) == "linear"]
-    one = sum(s is not None and all(isinstance(d, int) for d in s[:-1]) and math.prod(s[:-1]) == 1 for s in rows)
-    return one if 2 * one > len(rows) else 0
-
-
 def _inductor(gm: fx.GraphModule, example_inputs, opts: dict, matvec: bool):
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
@@ -153,6 +141,7 @@ def _inductor(gm: fx.GraphModule, example_inputs, opts: dict, matvec: bool):
 
 def moecompile_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
     """Dynamo backend: rewrite MoE blocks into moecompile ops, then inductor (or eager with inductor=False)."""
+    from moecompile.passes.matvec_fp8_linears import one_row_linears
     from moecompile.passes.pipeline import run_pipeline
 
     opts = resolve_options({**_traced_options(), **(options or {})}, mode)

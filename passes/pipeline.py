@@ -25,6 +25,7 @@ from moecompile.passes.gqa_attention import gqa_attention
 from moecompile.passes.insert_all_to_all import insert_all_to_all
 from moecompile.passes.insert_fp8 import insert_fp8, insert_fp8_linears
 from moecompile.passes.keep_first_projection import keep_first_projection
+from moecompile.passes.matvec_fp8_linears import matvec_fp8_linears
 from moecompile.passes.moeize import moeize
 from moecompile.passes.nodes import value
 from moecompile.passes.recognise_moe import recognise_moe
@@ -36,9 +37,10 @@ PIPELINES = {
     "convert": [find_ffn, moeize, insert_fp8, insert_all_to_all],
     # Dynamo graphs in the torch.compile backend: existing MoE blocks -> moecompile ops, then their optimisation
     # (keep_first_projection only in training graphs; direct_experts, fuse_projections, gqa_attention only in
-    # inference graphs; insert_fp8_linears after fuse_projections, so that a fused weight is quantised whole).
+    # inference graphs; insert_fp8_linears after fuse_projections, so that a fused weight is quantised whole, and
+    # matvec_fp8_linears after both, over every FP8 linear the graph then has).
     "compile": [recognise_moe, set_capacity, direct_experts, fuse_route_dispatch, insert_fp8, insert_all_to_all,
-                keep_first_projection, fuse_projections, insert_fp8_linears, gqa_attention],
+                keep_first_projection, fuse_projections, insert_fp8_linears, matvec_fp8_linears, gqa_attention],
 }
 PIPELINE = PIPELINES["convert"]
 
@@ -47,7 +49,8 @@ GATES = {set_capacity: ("capacity_factor", None), direct_experts: ("direct_exper
          fuse_route_dispatch: ("fuse", True),
          insert_fp8: ("fp8", None), insert_fp8_linears: ("fp8_linears", None),
          insert_all_to_all: ("expert_parallel", None),
-         fuse_projections: ("fuse_projections", True), gqa_attention: ("gqa_attention", True)}
+         fuse_projections: ("fuse_projections", True), matvec_fp8_linears: ("decode_matvec", True),
+         gqa_attention: ("gqa_attention", True)}
 
 
 class GraphCheckError(RuntimeError):

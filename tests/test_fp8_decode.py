@@ -2,6 +2,8 @@
 and the FP8 linear against dequantise-then-float32; the ops' reference kernels; the compile pipeline turning a
 decode-sized block into routed_experts_fp8 (option fp8) and the linears into linear_fp8 (option fp8_linears), and
 the compiled one-token model against the float32 one."""
+import copy
+
 import pytest
 import torch
 from hf_moe import MOE_LAYERS, dynamo_graphs, moe_nodes, tiny_moe, token_ids
@@ -153,7 +155,8 @@ def test_fp8_one_token_graph_takes_the_direct_fp8_path(monkeypatch):
     ((gm, inputs),) = dynamo_graphs(tiny_moe(family), token_ids(batch=1, length=1), use_cache=False)
     with torch.no_grad():
         (want,) = gm(*inputs)
-    gm, ctx = run_pipeline(gm, {"fp8": True, "fp8_linears": True}, pipeline="compile", example_inputs=inputs)
+    options = {"fp8": True, "fp8_linears": True, "inductor": False}  # linear_fp8 kept (matvec_fp8_linears: below)
+    gm, ctx = run_pipeline(gm, options, pipeline="compile", example_inputs=inputs)
     reports = dict(ctx.reports)
     layers = MOE_LAYERS[family]
     assert len(moe_nodes(gm, "routed_experts_fp8")) == layers and not moe_nodes(gm, "routed_experts")
@@ -167,6 +170,28 @@ def test_fp8_one_token_graph_takes_the_direct_fp8_path(monkeypatch):
         (got,) = gm(*inputs)
     assert _cosine(got, want) >= 0.995 and (got - want).norm() <= 0.08 * want.norm()
     assert not torch.equal(got, want)
+
+
+def test_one_row_fp8_linears_become_reductions_inductor_fuses():
+    """matvec_fp8_linears in a batch-1 decode step inductor compiles: every linear_fp8 becomes a linear over its
+    weight dequantised in the graph (float32, as linear_fp8's reference kernel), so the graph computes what it did;
+    left alone without inductor and in a prefill."""
+    family = "tiny-qwen3-moe"
+    ((gm, inputs),) = dynamo_graphs(tiny_moe(family), token_ids(batch=1, length=1), use_cache=False)
+    outputs = {}
+    for inductor in (False, True):
+        graph, ctx = run_pipeline(copy.deepcopy(gm), {"fp8_linears": True, "inductor": inductor}, pipeline="compile",
+                                  example_inputs=inputs)
+        report = dict(ctx.reports)["matvec_fp8_linears"]
+        fp8_linears = len(dict(ctx.reports)["insert_fp8_linears"]["rewritten"])
+        assert len(moe_nodes(graph, "linear_fp8")) == (0 if inductor else fp8_linears)
+        assert len(report.get("rewritten", [])) == (fp8_linears if inductor else 0), report
+        with torch.no_grad():
+            (outputs[inductor],) = graph(*inputs)
+    torch.testing.assert_close(outputs[True], outputs[False], rtol=1e-5, atol=1e-5)
+    ((prefill, inputs),) = dynamo_graphs(tiny_moe(family), token_ids(batch=1, length=5), use_cache=False)
+    _, ctx = run_pipeline(prefill, {"fp8_linears": True}, pipeline="compile", example_inputs=inputs)
+    assert dict(ctx.reports)["matvec_fp8_linears"] == {"skipped": "not a batch-1 decode step"}
 
 
 def test_fp8_batches_keep_the_sorted_path(monkeypatch):

@@ -37,10 +37,10 @@ EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 def native_fp8(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **sizes
                ) -> tuple[nn.Module, nn.Module]:
-    """(FP8 model, reference): a tiny model (its config's `sizes` changed) converted by finegrained_fp8.to_native_fp8 to transformers' FP8 modules
-    (what from_pretrained builds for an FP8 checkpoint; lm_head kept, as FP8 checkpoints keep it) with 128 x 128
-    block-quantised random weights; the reference is the same model with each of those weights dequantised (plain
-    HF modules, in dtype)."""
+    """(FP8 model, reference): a tiny model (its config's `sizes` changed) converted by
+    finegrained_fp8.to_native_fp8 to transformers' FP8 modules (what from_pretrained builds for an FP8 checkpoint;
+    lm_head kept, as FP8 checkpoints keep it) with 128 x 128 block-quantised random weights; the reference is the
+    same model with each of those weights dequantised (plain HF modules, in dtype)."""
     cls, config = FAMILIES[family]
     torch.manual_seed(seed)
     reference = cls(config(**sizes)).eval()

@@ -113,6 +113,7 @@ def test_dense_model_has_nothing_to_recognise():
                                  "keep_first_projection": {"skipped": "inference graph"},
                                  "fuse_projections": {"fused": []},  # no real inputs given
                                  "insert_fp8_linears": {"skipped": "off (option fp8_linears=None)"},
+                                 "matvec_fp8_linears": {"skipped": "no FP8 linear"},
                                  "gqa_attention": {"rewritten": []}}
     assert len(gm.graph.nodes) == nodes
 
@@ -213,7 +214,8 @@ def test_compile_pipeline_is_one_ordered_list():
     assert [p.__name__ for p in PIPELINES["compile"]] == ["recognise_moe", "set_capacity", "direct_experts",
                                                           "fuse_route_dispatch", "insert_fp8", "insert_all_to_all",
                                                           "keep_first_projection", "fuse_projections",
-                                                          "insert_fp8_linears", "gqa_attention"]
+                                                          "insert_fp8_linears", "matvec_fp8_linears",
+                                                          "gqa_attention"]
     assert [p.__name__ for p in PIPELINES["convert"]] == ["find_ffn", "moeize", "insert_fp8", "insert_all_to_all"]
 
 
