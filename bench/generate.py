@@ -15,6 +15,9 @@ Modes, all in one run:
                      (finegrained_fp8.to_native_fp8), and compares it with moecompile's first-step logits and step
                      time; --fp8-only runs it alone, the model built straight into FP8 one module at a time (on
                      the meta device, each module materialised, randomly initialised and quantised in turn)
+  moecompile-fp8-head the same FP8 model with option fp8_linears, which quantises lm_head too (128 x 128 blocks,
+                     once, when the step compiles): the checkpoint layout keeps it bf16, and at batch 1 it is most of
+                     the bytes of a Qwen3-30B-A3B step (not in the default list; after moecompile-fp8, on its model)
   hf-custom-generate HF generate with custom_generate=moecompile.generation.custom_generate: HF's preparation, then
                      moecompile.generate's loop (not in the default list; cos is not measured)
   moecompile-unfused the same without the fuse_projections pass (not in the default list: what that pass gives)
@@ -101,7 +104,10 @@ TINY = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, s
 MODES = ("hf-eager", "hf-experts-mc", "hf-inductor", "hf-moecompile", "moecompile")
 OTHER_MODES = ("hf-custom-generate",)
 FP8_MODE = "moecompile-fp8"
-GENERATOR_OPTIONS = {"moecompile": {}, FP8_MODE: {}, "moecompile-unfused": {"fuse_projections": False},
+FP8_HEAD_MODE = "moecompile-fp8-head"
+FP8_MODES = (FP8_MODE, FP8_HEAD_MODE)  # on the FP8 model: after the bf16 modes, FP8_MODE first
+GENERATOR_OPTIONS = {"moecompile": {}, FP8_MODE: {}, FP8_HEAD_MODE: {"fp8_linears": True},
+                     "moecompile-unfused": {"fuse_projections": False},
                      "moecompile-sorted": {"direct_experts": False}, "moecompile-repeat-kv": {"gqa_attention": False},
                      "moecompile-gemm": {"decode_matvec": False}}
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -195,10 +201,10 @@ def is_expert(pname: str, shape, experts: int) -> bool:
     return ".experts." in pname and len(shape) >= 2 and shape[0] == experts
 
 
-def fp8_parameters(shapes: dict, config, linears: bool = True) -> frozenset[str]:
+def fp8_parameters(shapes: dict, config, linears: bool = True, head: bool = False) -> frozenset[str]:
     """The parameters an FP8 run reads in FP8: the expert weight tensors, and with `linears` every other linear
     weight of the layers except the routers (embedding, norms, biases and lm_head stay bf16), as in transformers'
-    FineGrainedFP8 layout."""
+    FineGrainedFP8 layout; with `head` lm_head too (moecompile-fp8-head)."""
     experts = expert_count(config)
     chosen = set()
     for pname, shape in shapes.items():
@@ -206,6 +212,8 @@ def fp8_parameters(shapes: dict, config, linears: bool = True) -> frozenset[str]
             chosen.add(pname)
         elif linears and len(shape) == 2 and ".layers." in pname and pname.endswith(".weight") \
                 and not pname.endswith(ROUTER_SUFFIXES):
+            chosen.add(pname)
+        elif head and pname == "lm_head.weight":
             chosen.add(pname)
     return frozenset(chosen)
 
@@ -500,9 +508,9 @@ def main(argv=None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if args.fp8_only:
         modes = [FP8_MODE]
-    elif args.fp8 or FP8_MODE in modes:  # last: converting to FP8 consumes the bf16 model
-        modes = [m for m in modes if m != FP8_MODE] + ["moecompile"] * (args.fp8 and "moecompile" not in modes) \
-            + [FP8_MODE]
+    elif args.fp8 or set(FP8_MODES) & set(modes):  # last: converting to FP8 consumes the bf16 model
+        modes = [m for m in modes if m not in FP8_MODES] + ["moecompile"] * (args.fp8 and "moecompile" not in modes) \
+            + [m for m in FP8_MODES if m in modes or (args.fp8 and m == FP8_MODE)]
     batches = [int(b) for b in args.batches.split(",")]
     sampling = Sampling(top_k=50, top_p=0.9, seed=0) if args.sample else None
     unknown = set(modes) - set(MODES) - set(OTHER_MODES) - set(GENERATOR_OPTIONS)
@@ -524,7 +532,7 @@ def main(argv=None) -> int:
     fp8_note = (f" {FP8_MODE}: transformers' FineGrainedFP8 layout (experts and linears but lm_head and routers, "
                 f"128 x 128 block scales) on moecompile's FP8 ops, "
                 f"{'built in FP8 module by module' if args.fp8_only else 'converted from the bf16 model'}; every "
-                f"other mode bf16." if FP8_MODE in modes else "")
+                f"other mode bf16." if set(FP8_MODES) & set(modes) else "")
     header = [f"# Whole-model generation ({'tiny widths, ' if args.tiny else ''}{device})", "",
               f"Command: `{shlex.join(['python', 'bench/generate.py', *(argv if argv is not None else sys.argv[1:])])}`"
               f" (commit {commit or '?'})", "",
@@ -556,14 +564,17 @@ def main(argv=None) -> int:
             continue
         shapes = parameter_shapes(name, config)
         fp8 = fp8_parameters(shapes, config)
-        needed = {(mode, batch): resident_bytes(shapes, itemsize, fp8 if mode == FP8_MODE else frozenset())
+        read_in_fp8 = {FP8_MODE: fp8, FP8_HEAD_MODE: fp8_parameters(shapes, config, head=True)}
+        needed = {(mode, batch): resident_bytes(shapes, itemsize, fp8 if mode in FP8_MODES else frozenset())
                   + cache_bytes(config, batch, args.context + args.new, itemsize, windows=False) + HEADROOM
                   for mode in modes for batch in batches}
         fits = {key: capacity is None or size <= capacity for key, size in needed.items()}
-        model, references, bf16, model_rows = None, {}, {}, []
+        model, references, bf16, model_rows, in_fp8 = None, {}, {}, [], False
         for mode in modes:
-            if FP8_MODE == mode and any(fits[mode, b] for b in batches):
-                model = build(name, config, device, dtype, fp8=True) if model is None else to_native_fp8(model)
+            if mode in FP8_MODES and any(fits[mode, b] for b in batches):
+                if not in_fp8:  # once: the FP8 modes share the FP8 model
+                    model = build(name, config, device, dtype, fp8=True) if model is None else to_native_fp8(model)
+                    in_fp8 = True
             elif model is None and any(fits[mode, b] for b in batches):
                 model = build(name, config, device, dtype)
             for batch in batches:
@@ -577,7 +588,7 @@ def main(argv=None) -> int:
                     model_rows.append((batch, row))
                     continue
                 weights_floor = weight_bytes(shapes, config, batch, itemsize,
-                                             fp8 if mode == FP8_MODE else frozenset()) / bandwidth
+                                             read_in_fp8.get(mode, frozenset())) / bandwidth
                 cache_floor = cache_bytes(config, batch, args.context + args.new / 2, itemsize) / bandwidth
                 floor, versus = weights_floor + cache_floor, ""
                 try:
@@ -590,7 +601,7 @@ def main(argv=None) -> int:
                             profiles.append(f"{label}, batch {batch}, {mode}:\n{report}")
                         if mode == "moecompile":
                             bf16[batch] = logits, decode
-                        elif mode == FP8_MODE and batch in bf16:
+                        elif mode in FP8_MODES and batch in bf16:
                             versus = f"{cos(logits, bf16[batch][0]):.5f}, {bf16[batch][1] / decode:.2f}x"
                             if not fp8_rewrites():
                                 versus += " (no expert op became FP8)"

@@ -48,6 +48,7 @@ def test_fp8_floor_counts_fp8_bytes_of_the_quantised_tensors(bench):
     shapes = bench.parameter_shapes("qwen3-30b-a3b", config)
     experts = bench.fp8_parameters(shapes, config, linears=False)
     linears = bench.fp8_parameters(shapes, config, linears=True)
+    assert bench.fp8_parameters(shapes, config, head=True) == linears | {"lm_head.weight"}  # moecompile-fp8-head
     assert experts == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
     assert "model.layers.0.self_attn.q_proj.weight" in linears and "model.layers.0.mlp.gate.weight" not in linears
     assert "lm_head.weight" not in linears
@@ -77,14 +78,15 @@ def test_model_that_does_not_fit_is_a_row(bench, tmp_path):
 def test_fp8_against_bf16_and_attention_probe_tiny(bench, tmp_path):
     out = tmp_path / "table.md"
     assert bench.main(["--tiny", "--models", "qwen3-30b-a3b", "--layers", "1", "--batches", "2", "--context", "8",
-                       "--new", "3", "--reps", "1", "--modes", "moecompile", "--fp8", "--attention-probe",
-                       "--no-profile", "--commit", "abc1234", "--out", str(out)]) == 0
+                       "--new", "3", "--reps", "1", "--modes", "moecompile-fp8-head,moecompile", "--fp8",
+                       "--attention-probe", "--no-profile", "--commit", "abc1234", "--out", str(out)]) == 0
     text = out.read_text()
     assert "triton " in text and "(commit abc1234)" in text and "--context 8" in text
     rows = {r[2]: r for r in rows_of(text) if r[0] == "qwen3-30b-a3b (1)"}
-    assert set(rows) == {"moecompile", "moecompile-fp8"}
-    cosine, speed = rows["moecompile-fp8"][12].split(", ")
-    assert float(cosine) > 0.995 and float(speed.rstrip("x")) > 0
+    assert list(rows) == ["moecompile", "moecompile-fp8", "moecompile-fp8-head"]  # bf16 first, then on one FP8 model
+    for mode, bound in (("moecompile-fp8", 0.995), ("moecompile-fp8-head", 0.99)):  # the head quantised too
+        cosine, speed = rows[mode][12].split(", ")
+        assert float(cosine) > bound and float(speed.rstrip("x")) > 0
     assert rows["moecompile"][12] == ""
     probe = [r for r in rows_of(text) if r[0] == "qwen3-30b-a3b" and len(r) == 7]
     assert sum("(the compiled step)" in r[2] and r[3].startswith("default: ") for r in probe) == 1
