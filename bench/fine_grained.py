@@ -116,7 +116,7 @@ def gathered_quack(ours, x2, k, interleaved, timed=True):
     """(ms, output), or the layer's function where not timed: the layer with QuACK's first projection gathering
     rows (no dispatch copy); interleaved: W_in's gate and up rows alternating (SonicMoE's layout, converted once
     here) instead of gate rows first."""
-    from moecompile.kernels import quack_gemm, reference, triton_moe, triton_routing
+    from moecompile.kernels import quack_gemm, triton_moe, triton_routing
     from moecompile.runtime import choices
 
     w_in, w_out, e = ours.experts.w_in, ours.experts.w_out, ours.config.num_experts
@@ -126,7 +126,7 @@ def gathered_quack(ours, x2, k, interleaved, timed=True):
         w_in = torch.stack(w_in.chunk(2, dim=1), dim=2).flatten(1, 2)
 
     def layer():
-        logits = reference.router_logits(x2, ours.router.weight, None, True)
+        logits = ours.router_logits(x2)  # as the layer computes them (float32 out of tensor cores)
         weights, ids = triton_routing.topk(logits, k, True)
         _, order, offsets = triton_routing.dispatch(x2, ids, e, copy_rows=False)
         cu = quack_gemm.group_starts(offsets)
