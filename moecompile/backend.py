@@ -158,7 +158,7 @@ def moecompile_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
     if matvec:
         log.info("decode_matvec: %d one-row linears as matrix-vector reductions", matvec)
     gm, constants = _constants_as_inputs(gm)
-    inputs = [*example_inputs, *constants]
+    inputs = [*example_inputs, *_static_fakes(constants, example_inputs)]
     if not opts["inductor"]:  # AOT autograd without code generation: the rewritten graph as inductor sees it
         from torch._dynamo.backends.debugging import aot_eager
 
@@ -184,6 +184,14 @@ def _keep_aliases(args, aliases: list) -> None:
             with torch.no_grad():
                 part.copy_(args[index])
             args[index].data = part
+
+
+def _static_fakes(constants: list[torch.Tensor], example_inputs) -> list[torch.Tensor]:
+    """The constants as the compiler should see them: fakes of static shape in Dynamo's fake mode. Left real, AOT
+    autograd would give them symbolic sizes that Dynamo has no source for, and a guard on one (a broadcast compares
+    sizes) would break Dynamo's guards."""
+    fake_mode = torch._guards.detect_fake_mode(list(example_inputs))
+    return constants if fake_mode is None else [fake_mode.from_tensor(c, static_shapes=True) for c in constants]
 
 
 def _constants_as_inputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[torch.Tensor]]:

@@ -194,6 +194,29 @@ def test_one_row_fp8_linears_become_reductions_inductor_fuses():
     assert dict(ctx.reports)["matvec_fp8_linears"] == {"skipped": "not a batch-1 decode step"}
 
 
+def test_fp8_decode_step_compiles_with_the_rewritten_linears(monkeypatch):
+    """moecompile.generate with inductor on (its code generation swapped for AOT autograd's eager run, which traces
+    the same way): the decode step's FP8 linears are rewritten, the constants a pass made reach AOT autograd with
+    static sizes (symbolic ones without a source broke Dynamo's guards once the dequantisation compared them), and
+    the tokens are those of the run that keeps linear_fp8 (inductor off)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from moecompile.generation import Generator
+
+    monkeypatch.setattr(direct_experts, "MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
+    monkeypatch.setattr(backend, "_inductor", lambda gm, inputs, opts, matvec: aot_eager(gm, inputs))
+    model = tiny_moe("tiny-qwen3-moe")
+    model.generation_config.eos_token_id = None
+    ids = token_ids(batch=1, length=6)
+    tokens, reports = {}, {}
+    for inductor in (False, True):
+        backend.clear_records()
+        tokens[inductor] = Generator(model, 1, 10, options={"inductor": inductor, "fp8_linears": True})(ids, 4)
+        reports[inductor] = dict(backend.records()[-1].reports)["matvec_fp8_linears"]
+    assert reports[True]["rewritten"] and "rewritten" not in reports[False], reports
+    assert torch.equal(tokens[True], tokens[False])
+
+
 def test_fp8_batches_keep_the_sorted_path(monkeypatch):
     """fp8 no longer keeps direct_experts off, which alone decides what is decode-sized: 8 tokens of a block that
     one token sends direct keep the sorted path (activations quantised, experts_fp8)."""

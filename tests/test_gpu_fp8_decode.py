@@ -117,3 +117,25 @@ def test_generate_fp8_captures_and_stays_near_bf16(batch, linears):
     bf16(one, 1)
     gen(one, 1)
     assert _cos(gen.prefill_logits, bf16.prefill_logits) >= 0.995
+
+
+def test_one_row_fp8_linears_compile_to_inductor_reductions():
+    """With inductor (decode_matvec on), the batch-1 decode step's FP8 linears become matvec_fp8_linears' linears over
+    weights dequantised in the graph, which inductor fuses into its matrix-vector reductions: the step is captured,
+    and the logits of a one-token prompt (the step's form) stay within cosine 0.999 of the Triton kernel's (inductor
+    off, linear_fp8 kept)."""
+    if not _fp8_sm89():
+        pytest.skip("FP8 needs sm_89+")
+    model = _qwen3_moe()
+    ids, one = token_ids(batch=1, length=PROMPT).to(DEVICE), token_ids(batch=1, length=1).to(DEVICE)
+    logits, reports = {}, {}
+    for inductor in (False, True):
+        backend.clear_records()
+        gen = Generator(model, 1, PROMPT + NEW, options={"inductor": inductor, "fp8": True, "fp8_linears": True})
+        gen(ids, NEW)
+        assert gen._graphs, "the decode step was not captured"
+        reports[inductor] = dict(backend.records()[-1].reports)["matvec_fp8_linears"]  # the decode step's
+        gen(one, 1)
+        logits[inductor] = gen.prefill_logits.clone()
+    assert reports[True]["rewritten"] and "rewritten" not in reports[False], reports
+    assert _cos(logits[True], logits[False]) >= 0.999
