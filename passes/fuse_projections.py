@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from moecompile.core.fp8_format import WEIGHT_BLOCK
-from moecompile.passes.nodes import arg, kind
+from moecompile.passes.nodes import arg, kind, moe_op
 
 
 def _real(node, inputs: dict) -> torch.Tensor | None:
@@ -43,15 +43,15 @@ _LINEARS = {"linear": (torch.nn.functional.linear, "input", ("weight", "bias")),
 
 
 def _linear_kind(node: fx.Node) -> str | None:
-    return "linear_fp8" if node.op == "call_function" and node.target is LINEAR_FP8 else kind(node)
+    return "linear_fp8" if moe_op(node) == "linear_fp8" else kind(node)
 
 
 def _fusable(node: fx.Node, inputs: dict) -> tuple | None:
     """(x, [(placeholder, real tensor) of each stacked argument], with a bias) of a linear this pass can fuse."""
-    linear = _LINEARS.get(_linear_kind(node))
-    if linear is None:
+    linear_kind = _linear_kind(node)
+    if linear_kind not in _LINEARS:
         return None
-    _, input_name, stacked = linear
+    _, input_name, stacked = _LINEARS[linear_kind]
     x, b_node = arg(node, input_name), arg(node, "bias")
     names = stacked if b_node is not None else stacked[:-1]
     parts = [(arg(node, name), _real(arg(node, name), inputs)) for name in names]
@@ -62,7 +62,7 @@ def _fusable(node: fx.Node, inputs: dict) -> tuple | None:
     if any(t is None for _, t in parts) or (b_node is not None and parts[-1][1].dim() != 1):
         return None
     # FP8 weights: whole 128-row scale blocks, so that the stacked scales still describe the stacked weight
-    if len(names) > 1 and names[1] == "weight_scale_inv" and w.shape[0] % WEIGHT_BLOCK:
+    if linear_kind == "linear_fp8" and w.shape[0] % WEIGHT_BLOCK:
         return None
     return x, parts, b_node is not None
 
