@@ -9,6 +9,7 @@ import transformers
 from hf_moe import tiny_moe, token_ids
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
+from moecompile import backend
 from moecompile.core.errors import MoECompileError
 from moecompile.generation import Generator, generate
 from moecompile.integrations import mla
@@ -65,6 +66,10 @@ def test_absorbed_tokens_and_first_logits_match_hf(which, compiled):
     assert (gen.prefill_logits - logits).abs().max() <= 1e-4 * logits.abs().max()
     # HF's forward is back once the Generator's calls return
     assert all("forward" not in vars(m) for m in mla.mla_attentions(model))
+    if compiled:  # a second call compiles nothing: each swapped-in forward is the same object (Dynamo guards on it)
+        backend.clear_records()
+        assert torch.equal(gen(ids, NEW, attention_mask=mask), expected)
+        assert not backend.records()
 
 
 def test_absorbed_forward_looks_nothing_up_in_transformers(monkeypatch):

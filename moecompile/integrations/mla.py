@@ -135,11 +135,18 @@ def _masked(scores: torch.Tensor, mask, tokens: int, length: int) -> torch.Tenso
     return scores + mask
 
 
+_ABSORBED = "_moecompile_absorbed_forward"
+
+
 @contextlib.contextmanager
 def absorbed(modules: list[torch.nn.Module]):
-    """HF's decoder layers call the absorbed forward of `modules` inside the block; HF's own forward after it."""
+    """HF's decoder layers call the absorbed forward of `modules` inside the block; HF's own forward after it. Each
+    module gets the same forward object every time: Dynamo guards on its identity, so a new one would recompile
+    every graph that calls it at every entry."""
     for module in modules:
-        module.forward = functools.partial(absorbed_forward, module, _rotary(module))
+        if _ABSORBED not in module.__dict__:
+            module.__dict__[_ABSORBED] = functools.partial(absorbed_forward, module, _rotary(module))
+        module.forward = module.__dict__[_ABSORBED]
     try:
         yield
     finally:
