@@ -2,8 +2,6 @@
 and the FP8 linear against dequantise-then-float32; the ops' reference kernels; the compile pipeline turning a
 decode-sized block into routed_experts_fp8 (option fp8) and the linears into linear_fp8 (option fp8_linears), and
 the compiled one-token model against the float32 one."""
-import copy
-
 import pytest
 import torch
 from hf_moe import MOE_LAYERS, dynamo_graphs, moe_nodes, tiny_moe, token_ids
@@ -172,33 +170,13 @@ def test_fp8_one_token_graph_takes_the_direct_fp8_path(monkeypatch):
     assert not torch.equal(got, want)
 
 
-def test_one_row_fp8_linears_become_reductions_inductor_fuses():
-    """matvec_fp8_linears in a batch-1 decode step inductor compiles: every linear_fp8 becomes a linear over its
-    weight dequantised in the graph (float32, as linear_fp8's reference kernel), so the graph computes what it did;
-    left alone without inductor and in a prefill."""
-    family = "tiny-qwen3-moe"
-    ((gm, inputs),) = dynamo_graphs(tiny_moe(family), token_ids(batch=1, length=1), use_cache=False)
-    outputs = {}
-    for inductor in (False, True):
-        graph, ctx = run_pipeline(copy.deepcopy(gm), {"fp8_linears": True, "inductor": inductor}, pipeline="compile",
-                                  example_inputs=inputs)
-        report = dict(ctx.reports)["matvec_fp8_linears"]
-        fp8_linears = len(dict(ctx.reports)["insert_fp8_linears"]["rewritten"])
-        assert len(moe_nodes(graph, "linear_fp8")) == (0 if inductor else fp8_linears)
-        assert len(report.get("rewritten", [])) == (fp8_linears if inductor else 0), report
-        with torch.no_grad():
-            (outputs[inductor],) = graph(*inputs)
-    torch.testing.assert_close(outputs[True], outputs[False], rtol=1e-5, atol=1e-5)
-    ((prefill, inputs),) = dynamo_graphs(tiny_moe(family), token_ids(batch=1, length=5), use_cache=False)
-    _, ctx = run_pipeline(prefill, {"fp8_linears": True}, pipeline="compile", example_inputs=inputs)
-    assert dict(ctx.reports)["matvec_fp8_linears"] == {"skipped": "not a batch-1 decode step"}
-
-
 def test_fp8_decode_step_compiles_with_the_rewritten_linears(monkeypatch):
-    """moecompile.generate with inductor on (its code generation swapped for AOT autograd's eager run, which traces
-    the same way): the decode step's FP8 linears are rewritten, the constants a pass made reach AOT autograd with
-    static sizes (symbolic ones without a source broke Dynamo's guards once the dequantisation compared them), and
-    the tokens are those of the run that keeps linear_fp8 (inductor off)."""
+    """matvec_fp8_linears under moecompile.generate with inductor on (its code generation swapped for AOT autograd's
+    eager run, which traces the same way): every FP8 linear of the batch-1 decode step becomes a linear over its
+    weight dequantised in the graph (float32, as linear_fp8's reference kernel), the prefill's are left alone, the
+    constants a pass made reach AOT autograd with static sizes (symbolic ones without a source broke Dynamo's guards
+    once the dequantisation compared them), and the tokens are those of the run that keeps linear_fp8 (inductor
+    off)."""
     from torch._dynamo.backends.debugging import aot_eager
 
     from moecompile.generation import Generator
@@ -208,12 +186,16 @@ def test_fp8_decode_step_compiles_with_the_rewritten_linears(monkeypatch):
     model = tiny_moe("tiny-qwen3-moe", one_layer=True)
     model.generation_config.eos_token_id = None
     ids = token_ids(batch=1, length=6)
-    tokens, reports = {}, {}
+    tokens, records = {}, {}
     for inductor in (False, True):
         backend.clear_records()
         tokens[inductor] = Generator(model, 1, 10, options={"inductor": inductor, "fp8_linears": True})(ids, 4)
-        reports[inductor] = dict(backend.records()[-1].reports)["matvec_fp8_linears"]
-    assert reports[True]["rewritten"] and "rewritten" not in reports[False], reports
+        records[inductor] = backend.records()  # the prefill's graph, then the decode step's
+    prefill, step = (dict(r.reports)["matvec_fp8_linears"] for r in records[True])
+    assert prefill == {"skipped": "not a batch-1 decode step"}
+    assert len(step["rewritten"]) == len(moe_nodes(records[False][-1].graph_module, "linear_fp8")) > 0
+    assert not moe_nodes(records[True][-1].graph_module, "linear_fp8")
+    assert "rewritten" not in dict(records[False][-1].reports)["matvec_fp8_linears"]
     assert torch.equal(tokens[True], tokens[False])
 
 
