@@ -112,10 +112,10 @@ def gemm_times(ours, x2, ids, notes):
     return times
 
 
-def gathered_quack(ours, x2, k, interleaved, timed=True):
-    """(ms, output), or the layer's function where not timed: the layer with QuACK's first projection gathering
-    rows (no dispatch copy); interleaved: W_in's gate and up rows alternating (SonicMoE's layout, converted once
-    here) instead of gate rows first."""
+def gathered_layer(ours, x2, k, interleaved):
+    """The layer with QuACK's first projection gathering rows (no dispatch copy), as a function of nothing;
+    interleaved: W_in's gate and up rows alternating (SonicMoE's layout, converted once here) instead of gate rows
+    first."""
     from moecompile.kernels import quack_gemm, triton_moe, triton_routing
     from moecompile.runtime import choices
 
@@ -135,8 +135,12 @@ def gathered_quack(ours, x2, k, interleaved, timed=True):
                                         config=first)
         return triton_moe.combine(quack_gemm.second_projection(a, cu, w_out, None, config=second), order, weights)
 
-    if not timed:
-        return layer
+    return layer
+
+
+def gathered_quack(ours, x2, k, interleaved):
+    """(ms, output) of gathered_layer."""
+    layer = gathered_layer(ours, x2, k, interleaved)
     out = layer()
     return graph_bench(layer), out
 
@@ -210,7 +214,7 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
             choices.FFN_IN = choices.FFN_OUT = "auto"
             if gathered:
                 attempt("profile gathered", lambda: moe_layer.print_kernel_profile(
-                    f"{name} ours gathered quack", gathered_quack(ours, x2, k, False, timed=False)), notes)
+                    f"{name} ours gathered quack", gathered_layer(ours, x2, k, False)), notes)
         sonic = attempt("SonicMoE build", lambda: sonic_module(ours, d, f, e, k), notes)
         if sonic is not None:
             sonic.eval()
