@@ -1,9 +1,9 @@
 """Text for calibration and evaluation that exists on every machine offline (nothing imported or downloaded).
 
 Calibration reads the Python standard library, three kinds of English prose in it: `docstrings` (with `ast`),
-`comments` (with `tokenize`) and `reference` (the language and library reference of `pydoc_data.topics`). Each
-unit is assigned by a stable hash of its top-level package (or reference topic) to `calib` (80%), `select` (10%:
-the text the end-to-end stage is judged on) or `heldout` (10%: the report's in-domain number).
+`comments` (a regex lexer of comments and string literals) and `reference` (the language and library reference of
+`pydoc_data.topics`). Each unit is assigned by a stable hash of its top-level package (or reference topic) to `calib`
+(80%), `select` (10%: the text the end-to-end stage is judged on) or `heldout` (10%: the report's in-domain number).
 
 Evaluation (`eval_sources`) uses text that shares nothing with calibration: the held-out standard-library
 docstrings (in-domain), and out of domain the docstrings of moecompile's dependencies and the READMEs and licences
@@ -14,14 +14,14 @@ in their *.dist-info folders. Calibration never reads a dependency's text, so th
 from __future__ import annotations
 
 import ast
+import bisect
 import functools
 import gzip
 import hashlib
-import io
 import random
 import re
 import sysconfig
-import tokenize
+from collections import deque
 from pathlib import Path
 
 from moecompile.core.errors import MoECompileError
@@ -67,36 +67,48 @@ def _paragraphs(doc: str) -> list[str]:
     return out
 
 
+_DEFINITIONS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+# the fields that hold statements (or except / case clauses holding them): definitions live only there, so the walk
+# skips every expression, in ast.walk's breadth-first order
+_STATEMENT_FIELDS = ("body", "orelse", "finalbody", "handlers", "cases")
+# a comment, or a string literal (skipped: a "#" inside one starts no comment); tokenize's rules, at regex speed
+_LEXEME = re.compile(r"""(?P<comment>\#[^\r\n]*)
+    |(?:'''(?:[^'\\]|\\.|'(?!''))*'''|\"\"\"(?:[^"\\]|\\.|"(?!""))*\"\"\"
+    |'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")""", re.VERBOSE | re.DOTALL)
+
+
 def _docstrings(source: str) -> list[str]:
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
-    docs = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+    docs, queue = [], deque([tree])
+    while queue:
+        node = queue.popleft()
+        if isinstance(node, _DEFINITIONS):
             doc = ast.get_docstring(node, clean=True)
             if doc:
                 docs.append(doc)
+        for name in _STATEMENT_FIELDS:
+            queue.extend(getattr(node, name, ()))
     return docs
 
 
 def _comments(source: str) -> list[str]:
     """Runs of comment lines on consecutive lines, each joined into one paragraph."""
+    line_starts = [0] + [m.end() for m in re.finditer("\n", source)]
     runs, run, last = [], [], -2
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type != tokenize.COMMENT:
-                continue
-            text = tok.string.lstrip("#!").strip()
-            if tok.start[0] != last + 1 and run:
-                runs.append(" ".join(run))
-                run = []
-            if text:
-                run.append(text)
-            last = tok.start[0]
-    except (tokenize.TokenError, SyntaxError, ValueError):
-        pass
+    for lexeme in _LEXEME.finditer(source):
+        if lexeme.lastgroup != "comment":
+            continue
+        line = bisect.bisect_right(line_starts, lexeme.start())
+        text = lexeme.group().lstrip("#!").strip()
+        if line != last + 1 and run:
+            runs.append(" ".join(run))
+            run = []
+        if text:
+            run.append(text)
+        last = line
     if run:
         runs.append(" ".join(run))
     return [r for r in runs if _is_prose(r)]
