@@ -552,6 +552,11 @@ def main(argv=None) -> int:
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(header), flush=True)
     rows, profiles, probe = [], [], []
+
+    def save(text: str) -> None:
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
     max_positions = max(4096, args.context + args.new)
     for name in names:
         config = make_config(name, args.tiny, args.layers, args.full, max_positions)
@@ -627,6 +632,7 @@ def main(argv=None) -> int:
                 release(device)
                 print(row, flush=True)
                 model_rows.append((batch, row))
+                save("\n".join(header + rows + [r for _, r in model_rows]) + "\n")  # a run cut short keeps its rows
         rows += [row for _, row in sorted(model_rows, key=lambda r: batches.index(r[0]))]  # by batch, then mode
         del model
         release(device)
@@ -639,9 +645,7 @@ def main(argv=None) -> int:
         text += "\n## One decode step, profiled (compiled step run uncaptured)\n\n```\n" + "\n\n".join(profiles) + \
             "\n```\n"
     print(text[len("\n".join(header + rows)):])
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    save(text)
     return 0
 
 
