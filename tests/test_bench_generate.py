@@ -1,5 +1,5 @@
 """bench/generate.py (the GPU decode benchmark) on CPU: its floor and fit arithmetic against hand counts from the
-published configs, and one tiny run of the FP8 comparison and the attention probe."""
+published configs, and one tiny run of the FP8 comparison and the attention probe; a tiny run of bench/fp8_drift.py."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -114,3 +114,21 @@ def test_fp8_only_builds_the_model_in_fp8(bench):
     assert len(finegrained_fp8.enable(model)["experts"]) == 1
     with torch.no_grad():
         assert model(torch.arange(6)[None]).logits.isfinite().all()
+
+
+def test_fp8_drift_tiny(tmp_path):
+    """bench/fp8_drift.py: a row per model, the FP8 round trip moves the logits a little (not at all would mean it
+    never touched the weights), and one routed-set share per layer."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_fp8_drift", ROOT / "bench" / "fp8_drift.py")
+        drift = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(drift)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    out = tmp_path / "drift.md"
+    assert drift.main(["--tiny", "--models", "mixtral-8x7b", "--layers", "2", "--context", "8", "--device", "cpu",
+                       "--commit", "abc1234", "--out", str(out)]) == 0
+    (row,) = [r for r in rows_of(out.read_text()) if r[0] == "mixtral-8x7b (2)"]
+    assert row[1] == "1 x 8" and 0.9 < float(row[2]) < 1 and 0.9 < float(row[3]) < 1
+    assert len(row[4].split(", ")) == 2
