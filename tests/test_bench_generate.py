@@ -9,16 +9,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(ROOT / "bench"))  # generate.py imports compile.py beside it
+def load_bench(script: str):
+    """bench/<script>.py as a module, with bench/ importable while it loads (its scripts import one another)."""
+    sys.path.insert(0, str(ROOT / "bench"))
     try:
-        spec = importlib.util.spec_from_file_location("bench_generate", ROOT / "bench" / "generate.py")
+        spec = importlib.util.spec_from_file_location(f"bench_{script}", ROOT / "bench" / f"{script}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(ROOT / "bench"))
     return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench("generate")
 
 
 def rows_of(text: str) -> list[list[str]]:
@@ -119,13 +124,7 @@ def test_fp8_only_builds_the_model_in_fp8(bench):
 def test_fp8_drift_tiny(tmp_path):
     """bench/fp8_drift.py: a row per model, the FP8 round trip moves the logits a little (not at all would mean it
     never touched the weights), and one routed-set share per layer."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_fp8_drift", ROOT / "bench" / "fp8_drift.py")
-        drift = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(drift)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    drift = load_bench("fp8_drift")
     out = tmp_path / "drift.md"
     assert drift.main(["--tiny", "--models", "mixtral-8x7b", "--layers", "2", "--context", "8", "--device", "cpu",
                        "--commit", "abc1234", "--out", str(out)]) == 0
