@@ -493,3 +493,55 @@ def test_eval_sources_share_nothing_with_calibration_text():
     # out of domain really is another package's text: none of it appears in the standard library's sources
     stdlib = "\n".join(p for s in calib_data.SPLITS for k in calib_data.STDLIB_KINDS for p in calib_data.corpus(s, k))
     assert not [t for n in ("torch", "transformers") for t in sources[n] if t in stdlib]
+
+
+def test_stdlib_comments_and_docstrings_as_tokenize_and_ast_walk_find_them():
+    """The corpus' comment lexer and docstring walk against the standard library's own tokenize and ast.walk, on
+    source where a '#' sits inside every kind of string literal and definitions nest in statements."""
+    import ast
+    import io
+    import tokenize
+
+    from moecompile.calibration import data as calib_data
+
+    source = '''"""Module docstring that says enough words to count as prose here."""
+import os  # the operating system module gives access to many useful things
+x = "a # that is inside a double-quoted string and starts no comment at all"
+y = 'an escaped quote \\' then # still inside the string literal itself'
+z = r"raw \\" quote # inside" + f"{x!r} # in an f-string"
+s = """a triple-quoted string
+# whose second line looks like a comment but is not one of them
+"""
+# A real comment that spans two consecutive lines of this file,
+# joined by the lexer into one paragraph of readable prose text.
+
+# Another run of comment lines that stands apart from the first one.
+if True:
+    class Inner:
+        """A class docstring nested in an if block, found by the walk."""
+        def method(self):
+            """A method docstring two levels down, also found by it."""
+            return "# not a comment"  # but this trailing one is a comment here
+try:
+    pass
+except ValueError:
+    def handler():
+        """A function defined in an except clause, with its own docstring."""
+'''
+    comments = [tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT]
+    assert len(comments) == 5  # the source holds what the test means it to
+    runs, run, last = [], [], -2
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            if tok.start[0] != last + 1 and run:
+                runs.append(" ".join(run))
+                run = []
+            run.append(tok.string.lstrip("#!").strip())
+            last = tok.start[0]
+    runs.append(" ".join(run))
+    assert calib_data._comments(source) == [r for r in runs if calib_data._is_prose(r)]
+    assert len(calib_data._comments(source)) == 4
+    walked = [ast.get_docstring(n, clean=True) for n in ast.walk(ast.parse(source))
+              if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert calib_data._docstrings(source) == [d for d in walked if d] and len(walked) == 4
