@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from moecompile.core.fp8_format import WEIGHT_BLOCK
-from moecompile.passes.nodes import arg, kind, moe_op
+from moecompile.passes.nodes import LINEAR_INPUTS, arg, linear_kind
 
 
 def _real(node, inputs: dict) -> torch.Tensor | None:
@@ -35,24 +35,20 @@ def _real(node, inputs: dict) -> torch.Tensor | None:
     return t if plain and len(node.users) == 1 and t.is_contiguous() else None
 
 
-# the linears this pass fuses: kind -> (the op a fused node calls, its input argument, the arguments whose rows
-# are stacked: weight first; a bias, where given, last)
+# the linears this pass fuses: linear kind -> (the op a fused node calls, the arguments whose rows are stacked:
+# weight first; a bias, where given, last)
 LINEAR_FP8 = torch.ops.moecompile.linear_fp8.default
-_LINEARS = {"linear": (torch.nn.functional.linear, "input", ("weight", "bias")),
-            "linear_fp8": (LINEAR_FP8, "x", ("weight", "weight_scale_inv", "bias"))}
-
-
-def _linear_kind(node: fx.Node) -> str | None:
-    return "linear_fp8" if moe_op(node) == "linear_fp8" else kind(node)
+_LINEARS = {"linear": (torch.nn.functional.linear, ("weight", "bias")),
+            "linear_fp8": (LINEAR_FP8, ("weight", "weight_scale_inv", "bias"))}
 
 
 def _fusable(node: fx.Node, inputs: dict) -> tuple | None:
     """(x, [(placeholder, real tensor) of each stacked argument], with a bias) of a linear this pass can fuse."""
-    linear_kind = _linear_kind(node)
-    if linear_kind not in _LINEARS:
+    kind_name = linear_kind(node)
+    if kind_name is None:
         return None
-    _, input_name, stacked = _LINEARS[linear_kind]
-    x, b_node = arg(node, input_name), arg(node, "bias")
+    stacked = _LINEARS[kind_name][1]
+    x, b_node = arg(node, LINEAR_INPUTS[kind_name]), arg(node, "bias")
     names = stacked if b_node is not None else stacked[:-1]
     parts = [(arg(node, name), _real(arg(node, name), inputs)) for name in names]
     w = parts[0][1]
@@ -62,7 +58,7 @@ def _fusable(node: fx.Node, inputs: dict) -> tuple | None:
     if any(t is None for _, t in parts) or (b_node is not None and parts[-1][1].dim() != 1):
         return None
     # FP8 weights: whole 128-row scale blocks, so that the stacked scales still describe the stacked weight
-    if linear_kind == "linear_fp8" and w.shape[0] % WEIGHT_BLOCK:
+    if kind_name == "linear_fp8" and w.shape[0] % WEIGHT_BLOCK:
         return None
     return x, parts, b_node is not None
 
@@ -117,9 +113,9 @@ def fuse_projections(gm: fx.GraphModule, ctx) -> dict:
         if found:
             x, parts, with_bias = found
             layout = tuple((t.dtype, t.device, t.shape[1:]) for _, t in parts)  # all but the stacked rows alike
-            groups[(_linear_kind(node), x, layout, with_bias)].append((node, parts))
+            groups[(linear_kind(node), x, layout, with_bias)].append((node, parts))
     fused = []
-    for (linear_kind, *_, with_bias), members in groups.items():
+    for (kind_name, x, _, with_bias), members in groups.items():
         if len(members) < 2:
             continue
         buffers = []  # per stacked argument: (the fused buffer, each member's part of it)
@@ -130,12 +126,12 @@ def fuse_projections(gm: fx.GraphModule, ctx) -> dict:
         if buffers[-1] is None:
             continue
         first = members[0][0]
-        call, input_name, stacked = _LINEARS[linear_kind]
+        call, stacked = _LINEARS[kind_name]
         name = f"fused_projection_{len(fused)}"
         nodes = [_constant(gm, name if position == 0 else f"{name}_{stacked[position]}", buffer, first)
                  for position, (buffer, _) in enumerate(buffers)]
         with gm.graph.inserting_before(first):
-            y = gm.graph.call_function(call, (arg(first, input_name), *nodes, *([] if with_bias else [None])))
+            y = gm.graph.call_function(call, (x, *nodes, *([] if with_bias else [None])))
             rows = [parts[0][1].shape[0] for _, parts in members]
             split = gm.graph.call_function(torch.split, (y, rows, -1))
             outputs = [gm.graph.call_method("contiguous", (gm.graph.call_function(operator.getitem, (split, i)),))

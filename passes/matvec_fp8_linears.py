@@ -18,11 +18,11 @@ import torch
 from torch import fx
 
 from moecompile.core.fp8_format import dequantize_blocks
-from moecompile.passes.nodes import arg, kind, moe_op, value
+from moecompile.passes.nodes import LINEAR_INPUTS, arg, linear_kind, moe_op, value
 
 
 def _rows(node: fx.Node) -> int | None:
-    shape = getattr(value(arg(node, "x" if moe_op(node) == "linear_fp8" else "input")), "shape", None)
+    shape = getattr(value(arg(node, LINEAR_INPUTS[linear_kind(node)])), "shape", None)
     return math.prod(shape[:-1]) if shape is not None and all(isinstance(d, int) for d in shape[:-1]) else None
 
 
@@ -30,7 +30,7 @@ def one_row_linears(gm: fx.GraphModule) -> int:
     """How many of the graph's linears (FP8 ones included) read a single row, when they are most of its linears (a
     batch-1 decode step, whose other linears may read the cache, as DeepSeek-V3's kv_b_proj does; not a prefill,
     whose one-row linear is the logits head), else 0."""
-    rows = [_rows(n) for n in gm.graph.nodes if kind(n) == "linear" or moe_op(n) == "linear_fp8"]
+    rows = [_rows(n) for n in gm.graph.nodes if linear_kind(n)]
     one = rows.count(1)
     return one if 2 * one > len(rows) else 0
 

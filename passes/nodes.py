@@ -60,6 +60,16 @@ def moe_op(node: fx.Node) -> str | None:
     return name.split("::", 1)[1] if name and name.startswith("moecompile::") else None
 
 
+# the input argument of each linear the passes rewrite: torch's, and moecompile's FP8 linear (weight in FP8 blocks)
+LINEAR_INPUTS = {"linear": "input", "linear_fp8": "x"}
+
+
+def linear_kind(node: fx.Node) -> str | None:
+    """A key of LINEAR_INPUTS for a linear node, else None."""
+    name = "linear_fp8" if moe_op(node) == "linear_fp8" else kind(node)
+    return name if name in LINEAR_INPUTS else None
+
+
 def value(node) -> object:
     """The example value Dynamo (meta "example_value") or export / FakeTensorProp (meta "val") recorded."""
     if not isinstance(node, fx.Node):
