@@ -12,6 +12,8 @@ which holds every e4m3 value exactly, scaled in float32 after each K step).
 The K loop steps by at most 128 channels and 128 is a multiple of the step, so each step lies in one scale block:
 its scales are one float32 per output row of the tile.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -64,35 +66,49 @@ def routed_experts_fp8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 # ---- linear_fp8: a few rows (decode) times FP8 block-scaled weights
 
 MAX_DOT_ROWS = 64  # the largest row tile of the dot form
+# Split K until the grid has this many programs per SM: one column tile over the whole of K keeps too few loads in
+# flight to fill HBM at decode's few rows.
+PROGRAMS_PER_SM = 4
+# ... but keep the float32 partial sums (written, then read back) under this share of the FP8 weight's bytes.
+MAX_PARTIAL_SHARE = 0.25
+NOMINAL_BLOCK_N = 64  # the column tile the split count assumes (the autotuned one may differ)
 
 
 @triton.jit
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rows, n: tl.constexpr, k: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       K_SPLIT: tl.constexpr):
     """out[rows, cols] = x[rows] W[cols]^T + b[cols], W dequantised from its FP8 blocks; one program per (column
-    tile, row tile). BLOCK_M 1: a matrix-vector product in float32; else a dot in x's dtype per K step, scaled and
-    accumulated in float32. `rows` only bounds the row tile (and keys the autotuning)."""
+    tile, row tile, K split of K_SPLIT channels, a multiple of 128). With one split it stores the result in out's
+    dtype; with several, split s stores its float32 partial sum (no bias) at out[s] ([splits, rows, n]), which
+    _sum_splits_kernel adds up. BLOCK_M 1: a matrix-vector product in float32; else a dot in x's dtype per K step,
+    scaled and accumulated in float32. `rows` only bounds the row tile (and keys the autotuning)."""
     k_blocks: tl.constexpr = (k + 127) // 128
+    PARTIAL: tl.constexpr = K_SPLIT < k
+    split = tl.program_id(2)
+    k_start = split * K_SPLIT
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < n
+    if PARTIAL:
+        out_ptr += split.to(tl.int64) * rows * n
     if BLOCK_M == 1:
         row = tl.program_id(1).to(tl.int64)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
+        for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(x_ptr + row * k + ks, mask=ks < k, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + cols[:, None].to(tl.int64) * k + ks[None, :], mask=cmask[:, None] & (ks < k)[None, :],
                         other=0.0)
             acc += weight_tile(w, s_ptr, cols, cmask, k_blocks, k0, True) * xk[None, :]
         y = tl.sum(acc, axis=1)
-        if HAS_BIAS:
+        if HAS_BIAS and not PARTIAL:
             y += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=cmask)
     else:
         rs = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rs < rows
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
+        for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < k
             xk = tl.load(x_ptr + rs[:, None].to(tl.int64) * k + ks[None, :], mask=rmask[:, None] & kmask[None, :],
@@ -100,14 +116,30 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rows, n: tl.const
             w = tl.load(w_ptr + cols[None, :].to(tl.int64) * k + ks[:, None], mask=kmask[:, None] & cmask[None, :],
                         other=0.0)
             acc += tl.dot(xk, w.to(xk.dtype)) * row_scales(s_ptr, cols, cmask, k_blocks, k0)[None, :]
-        if HAS_BIAS:
+        if HAS_BIAS and not PARTIAL:
             acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rs[:, None].to(tl.int64) * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
 
 
-_fp8_linear_matvec_tuned = triton.autotune(configs=_matvec_configs(), key=["n", "k", "rows"])(_fp8_linear_kernel)
-_fp8_linear_dot_tuned = triton.autotune(configs=_dot_configs(), key=["n", "k", "BLOCK_M"])(_fp8_linear_kernel)
+@triton.jit
+def _sum_splits_kernel(partial_ptr, bias_ptr, out_ptr, size, n, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """out = sum over s of partial[s] (+ bias), in split order (the same sum every run), cast to out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(partial_ptr + s * size + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_fp8_linear_matvec_tuned = triton.autotune(configs=_matvec_configs(), key=["n", "k", "rows", "K_SPLIT"])(
+    _fp8_linear_kernel)
+_fp8_linear_dot_tuned = triton.autotune(configs=_dot_configs(), key=["n", "k", "BLOCK_M", "K_SPLIT"])(
+    _fp8_linear_kernel)
 
 
 def row_tile(rows: int) -> int:
@@ -116,10 +148,24 @@ def row_tile(rows: int) -> int:
     return 1 if rows == 1 else min(MAX_DOT_ROWS, max(16, triton.next_power_of_2(rows)))
 
 
+def k_splits(rows: int, n: int, k: int, sms: int) -> int:
+    """How many K splits of whole 128-blocks linear_fp8 runs for this shape on a GPU of `sms` SMs: enough for
+    PROGRAMS_PER_SM programs per SM, at most one per scale block, and few enough that the float32 partial sums
+    (4 bytes written and read per row, column and split) stay within MAX_PARTIAL_SHARE of the weight's bytes."""
+    block_m = row_tile(rows)
+    programs = triton.cdiv(n, NOMINAL_BLOCK_N) * (rows if block_m == 1 else triton.cdiv(rows, block_m))
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
+    affordable = int(MAX_PARTIAL_SHARE * k / (8 * rows))
+    return max(1, min(wanted, affordable, triton.cdiv(k, BLOCK)))
+
+
 def linear_fp8(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, bias, config: dict | None = None
                ) -> torch.Tensor:
     """x [M, K] (a few rows, DTYPES) times float8_e4m3fn w [N, K] with scale_inv [ceil(N/128), ceil(K/128)] -> [M, N]
-    in x's dtype. `config` ({BLOCK_N, BLOCK_K}, BLOCK_K dividing 128) fixes the tiles; otherwise autotuned."""
+    in x's dtype. `config` ({BLOCK_N, BLOCK_K}, BLOCK_K dividing 128; optionally SPLITS) fixes the tiles and the
+    K splits; otherwise the tiles are autotuned and the splits are k_splits'."""
+    config = dict(config or {})
+    splits = config.pop("SPLITS", None)
     _check_config({"": config} if config else None)
     rows, k = x.shape
     n = w.shape[0]
@@ -127,13 +173,29 @@ def linear_fp8(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, bias
     if rows == 0 or n == 0:
         return out
     x, w, w_scale_inv = x.contiguous(), w.contiguous(), w_scale_inv.float().contiguous()
+    if splits is None:
+        splits = k_splits(rows, n, k, _sm_count(x.device))
+    k_split = triton.cdiv(triton.cdiv(k, BLOCK), splits) * BLOCK  # whole scale blocks per split
+    splits = triton.cdiv(k, k_split)
+    partial = x.new_empty(splits, rows, n, dtype=torch.float32) if splits > 1 else out
     block_m = row_tile(rows)
-    args = (x, w, w_scale_inv, bias if bias is not None else x, out, rows)
-    meta = dict(n=n, k=k, HAS_BIAS=bias is not None, BLOCK_M=block_m)
+    args = (x, w, w_scale_inv, bias if bias is not None else x, partial, rows)
+    meta = dict(n=n, k=k, HAS_BIAS=bias is not None, BLOCK_M=block_m, K_SPLIT=k_split)
     row_tiles = rows if block_m == 1 else triton.cdiv(rows, block_m)
-    if config is not None:
-        _fp8_linear_kernel[(triton.cdiv(n, config["BLOCK_N"]), row_tiles)](*args, **meta, **config)
+    if config:
+        _fp8_linear_kernel[(triton.cdiv(n, config["BLOCK_N"]), row_tiles, splits)](*args, **meta, **config)
     else:
         tuned = _fp8_linear_matvec_tuned if block_m == 1 else _fp8_linear_dot_tuned
-        tuned[lambda m: (triton.cdiv(n, m["BLOCK_N"]), row_tiles)](*args, **meta)
+        tuned[lambda m: (triton.cdiv(n, m["BLOCK_N"]), row_tiles, splits)](*args, **meta)
+    if splits > 1:
+        size = rows * n
+        _sum_splits_kernel[(triton.cdiv(size, 1024),)](partial, bias if bias is not None else partial, out, size, n,
+                                                       SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=1024)
     return out
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # Triton's interpreter (the CPU tests): one split unless asked for more
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -88,15 +88,18 @@ def test_fp8_direct_experts_empty_batch_and_tile_check():
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])
 @pytest.mark.parametrize("bias", [True, False])
-def test_fp8_linear_matches_dequantised_float32(rows, bias):
-    """One row: the matrix-vector form; more: the dot form over a row tile padded to 16 / 32 / 64."""
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_fp8_linear_matches_dequantised_float32(rows, bias, splits):
+    """One row: the matrix-vector form; more: the dot form over a row tile padded to 16 / 32 / 64. K = 300 is three
+    scale blocks, the last one partial: split in two (blocks 1-2, 3) and in three, the partial sums and the bias
+    added once."""
     gen = torch.Generator().manual_seed(rows)
-    w = _block_varied((150, 200), gen)
+    w = _block_varied((150, 300), gen)
     q, s = fp8.quantize_blocks(w)
     b = torch.randn(150, generator=gen) if bias else None
-    x = torch.randn(rows, 200, generator=gen)
+    x = torch.randn(rows, 300, generator=gen)
     want = torch.nn.functional.linear(x, fp8.dequantize_blocks(q, s), b)
-    got = triton_fp8_decode.linear_fp8(x, q, s, b, config={"BLOCK_N": 32, "BLOCK_K": 64})
+    got = triton_fp8_decode.linear_fp8(x, q, s, b, config={"BLOCK_N": 32, "BLOCK_K": 64, "SPLITS": splits})
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(R.linear_fp8(x, q, s, b), want, rtol=1e-5, atol=1e-5)
     exact = torch.nn.functional.linear(x, w, b)
@@ -105,6 +108,20 @@ def test_fp8_linear_matches_dequantised_float32(rows, bias):
 
 def test_fp8_linear_row_tiles():
     assert [triton_fp8_decode.row_tile(m) for m in (1, 2, 16, 17, 64, 65)] == [1, 16, 16, 32, 64, 64]
+
+
+def test_fp8_linear_k_splits():
+    """Splits fill the GPU (one row of a 4096-wide linear: 64 column tiles, 8 splits of 4 blocks on 132 SMs), never
+    more than K has scale blocks, and fewer as rows grow (their float32 partial sums cost bytes); none for a grid
+    that already fills the GPU, or on one SM (the interpreter)."""
+    splits = triton_fp8_decode.k_splits
+    assert splits(1, 4096, 4096, 132) >= 8
+    assert splits(1, 64, 300, 132) == 3
+    assert splits(1, 4096, 4096, 132) >= splits(16, 4096, 4096, 132) >= splits(64, 4096, 4096, 132) >= 1
+    for rows in (1, 16, 64):
+        s = splits(rows, 4096, 4096, 132)
+        assert s == 1 or 8 * s * rows <= triton_fp8_decode.MAX_PARTIAL_SHARE * 4096
+    assert splits(1, 65536, 4096, 132) == splits(2, 4096, 4096, 1) == 1
 
 
 def test_fp8_ops_check_their_weights():

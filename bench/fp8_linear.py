@@ -1,0 +1,161 @@
+"""FP8 linear at decode's few rows: moecompile::linear_fp8's Triton kernel (its K split as k_splits picks it, and
+unsplit), the one-row form inductor compiles (pass matvec_fp8_linears), and bf16 cuBLAS, same run.
+
+On the device:   python bench/fp8_linear.py --out bench/results/gpu-fp8-linear.md --commit <hash>
+CPU smoke test:  python bench/fp8_linear.py --tiny      (tiny shapes, Triton's interpreter; checks the script only)
+
+Each variant runs over enough copies of the weight that they do not fit in L2 (a decode step's linears each read
+their own weight), one call per copy, replayed from a CUDA graph; the time is the graph's median over the copies.
+GB/s counts the weight bytes (FP8 and its scales, or bf16) once per call. The split sweep runs fixed tiles
+(BLOCK_N 64, BLOCK_K 128, Triton's default warps), to check k_splits' choice, not to beat the autotuned tiles.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+SHAPES = {  # name: (n, k), the fused q/k/v and the output projection of two decode benches' models
+    "mixtral qkv": (6144, 4096), "mixtral o": (4096, 4096),
+    "qwen3-30b-a3b qkv": (5120, 2048), "qwen3-30b-a3b o": (2048, 4096),
+}
+TINY_SHAPES = {"tiny": (200, 300)}
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+SWEEP = (1, 2, 4, 8, 16, 32)
+L2_BYTES = 50 * 2 ** 20  # H100's L2; the copies of a weight span four times it
+FIXED = {"BLOCK_N": 64, "BLOCK_K": 128}
+
+
+def bench_ms(fns: list, device: str) -> float:
+    """Median ms of one call, the calls of `fns` (one per weight copy) replayed from one CUDA graph on CUDA."""
+    def all_calls():
+        return [fn() for fn in fns]
+
+    if device == "cuda":
+        import triton.testing
+
+        from moecompile.runtime import graphs
+
+        graph, _ = graphs.capture(all_calls, warmup=2)
+        return triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") / len(fns)
+    all_calls()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        all_calls()
+        times.append((time.perf_counter() - start) * 1e3 / len(fns))
+    return statistics.median(times)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def run_shape(name: str, n: int, k: int, rows_list, sweep, device: str, bandwidth: float, matvec: bool) -> list[str]:
+    from moecompile.core import fp8_format as fp8
+    from moecompile.ir import ops
+    from moecompile.kernels import reference, triton_fp8_decode
+
+    fp8_bytes = n * k + 4 * fp8.cdiv(n, 128) * fp8.cdiv(k, 128)
+    copies = max(1, -(-4 * L2_BYTES // fp8_bytes)) if device == "cuda" else 1
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights = [torch.randn(n, k, device=device, generator=gen) / k ** 0.5 for _ in range(copies)]
+    fp8_weights = [fp8.quantize_blocks(w) for w in weights]
+    bf16_weights = [w.bfloat16() for w in weights]
+    del weights
+    compiled = torch.compile(lambda x, q, s: ops.linear_fp8(x, q, s, None), backend="moecompile") if matvec else None
+    untuned = {} if device == "cuda" else {"BLOCK_N": 32, "BLOCK_K": 64}  # the interpreter cannot autotune
+    lines = []
+    for rows in rows_list:
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        x = torch.randn(rows, k, device=device, generator=gen).to(dtype)
+        want = reference.linear_fp8(x, *fp8_weights[0], None)
+
+        def ours(config=None):
+            config = {**untuned, **(config or {})} or None
+            return [lambda q=q, s=s: triton_fp8_decode.linear_fp8(x, q, s, None, config) for q, s in fp8_weights]
+
+        splits = triton_fp8_decode.k_splits(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count
+                                            if device == "cuda" else 1)
+        err = rel(ours()[0](), want)
+        auto_ms = bench_ms(ours(), device)
+        unsplit_ms = bench_ms(ours({"SPLITS": 1}), device)
+        sweep_ms = {s: bench_ms(ours({**FIXED, "SPLITS": s}), device) for s in sweep
+                    if s <= fp8.cdiv(k, 128)}
+        best = min(sweep_ms, key=sweep_ms.get)
+        bf16_ms = bench_ms([lambda w=w: torch.nn.functional.linear(x, w.to(dtype)) for w in bf16_weights], device)
+        inductor = "—"
+        if compiled is not None and rows == 1:
+            torch._dynamo.reset()
+            err = max(err, rel(compiled(x, *fp8_weights[0]), want))
+            inductor = f"{bench_ms([lambda q=q, s=s: compiled(x, q, s) for q, s in fp8_weights], device):.4f}"
+
+        def rate(ms, nbytes):
+            gbs = nbytes / ms / 1e6
+            return f"{ms:.4f} ({gbs:.0f} GB/s, {gbs * 1e9 / bandwidth:.0%})" if bandwidth == bandwidth else f"{ms:.4f}"
+
+        line = (f"| {name} {n}x{k} | {rows} | {rate(auto_ms, fp8_bytes)} | {splits} | {rate(unsplit_ms, fp8_bytes)} | "
+                f"{best}: {sweep_ms[best]:.4f} ({' / '.join(f'{s}:{t:.4f}' for s, t in sweep_ms.items())}) | "
+                f"{inductor} | {rate(bf16_ms, 2 * n * k)} | {unsplit_ms / auto_ms:.2f} | {bf16_ms / auto_ms:.2f} | "
+                f"{err:.1e} |")
+        print(line, flush=True)
+        lines.append(line)
+    return lines
+
+
+def copy_bandwidth(device: str) -> float:
+    if device != "cuda":
+        return float("nan")
+    import triton.testing
+
+    src = torch.empty(2 ** 31, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1e3)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="write the markdown table here (after every shape)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
+    p.add_argument("--shapes", default=None, help=f"comma-separated subset of {', '.join(SHAPES)}")
+    p.add_argument("--rows", default=None, help="comma-separated row counts (default: %s)" % ",".join(map(str, ROWS)))
+    p.add_argument("--no-matvec", action="store_true", help="skip the inductor-compiled one-row form")
+    p.add_argument("--commit", default="?", help="the commit measured, for the header")
+    args = p.parse_args(argv)
+    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    if args.shapes:
+        shapes = {name: shapes[name] for name in args.shapes.split(",")}
+    rows_list = [int(r) for r in args.rows.split(",")] if args.rows else ((1, 3) if args.tiny else ROWS)
+    sweep = (1, 2) if args.tiny else SWEEP
+    bandwidth = copy_bandwidth(device)
+    card = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    header = [
+        "# FP8 linear at decode's few rows", "",
+        f"`python bench/fp8_linear.py {' '.join(argv if argv is not None else sys.argv[1:])}` at commit "
+        f"{args.commit}, {time.strftime('%Y-%m-%d')}, on {card} (copy bandwidth "
+        f"{bandwidth / 1e12:.2f} TB/s); torch {torch.__version__}. Milliseconds per call, medians; the "
+        "percentages are of the copy bandwidth. err: the relative error of ours (and the inductor form) against "
+        "dequantise-then-float32.", "",
+        "| weight n x k | rows | ours (autotuned tiles, k_splits) ms | splits | unsplit ms | fixed tiles, best split "
+        "(all) | inductor one-row form ms | bf16 cuBLAS ms | unsplit / ours | bf16 / ours | err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines = []
+    for name, (n, k) in shapes.items():
+        lines += run_shape(name, n, k, rows_list, sweep, device, bandwidth, not args.no_matvec)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(header + lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
