@@ -1,4 +1,4 @@
-"""FP8 linear at decode's few rows: moecompile::linear_fp8's Triton kernel (its K split as k_splits picks it, and
+"""FP8 linear at decode's few rows: moecompile::linear_fp8's Triton kernel (its K split as the runtime picks it, and
 unsplit), the one-row form inductor compiles (pass matvec_fp8_linears), and bf16 cuBLAS, same run.
 
 On the device:   python bench/fp8_linear.py --out bench/results/gpu-fp8-linear.md --commit <hash>
@@ -7,7 +7,7 @@ CPU smoke test:  python bench/fp8_linear.py --tiny      (tiny shapes, Triton's i
 Each variant runs over enough copies of the weight that they do not fit in L2 (a decode step's linears each read
 their own weight), one call per copy, replayed from a CUDA graph; the time is the graph's median over the copies.
 GB/s counts the weight bytes (FP8 and its scales, or bf16) once per call. The split sweep runs fixed tiles
-(BLOCK_N 64, BLOCK_K 128, Triton's default warps), to check k_splits' choice, not to beat the autotuned tiles.
+(BLOCK_N 64, BLOCK_K 128, Triton's default warps): the data behind kernels/configs/fp8_linear.json.
 """
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ def run_shape(name: str, n: int, k: int, rows_list, sweep, device: str, bandwidt
     from moecompile.core import fp8_format as fp8
     from moecompile.ir import ops
     from moecompile.kernels import reference, triton_fp8_decode
+    from moecompile.runtime import choices
 
     fp8_bytes = n * k + 4 * fp8.cdiv(n, 128) * fp8.cdiv(k, 128)
     copies = max(1, -(-4 * L2_BYTES // fp8_bytes)) if device == "cuda" else 1
@@ -70,23 +71,23 @@ def run_shape(name: str, n: int, k: int, rows_list, sweep, device: str, bandwidt
     del weights
     compiled = torch.compile(lambda x, q, s: ops.linear_fp8(x, q, s, None), backend="moecompile") if matvec else None
     untuned = {} if device == "cuda" else {"BLOCK_N": 32, "BLOCK_K": 64}  # the interpreter cannot autotune
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1
     lines = []
     for rows in rows_list:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         x = torch.randn(rows, k, device=device, generator=gen).to(dtype)
         want = reference.linear_fp8(x, *fp8_weights[0], None)
 
-        def ours(config=None):
+        def ours(splits, config=None):
             config = {**untuned, **(config or {})} or None
-            return [lambda q=q, s=s: triton_fp8_decode.linear_fp8(x, q, s, None, config) for q, s in fp8_weights]
+            return [lambda q=q, s=s: triton_fp8_decode.linear_fp8(x, q, s, None, config, splits)
+                    for q, s in fp8_weights]
 
-        splits = triton_fp8_decode.k_splits(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count
-                                            if device == "cuda" else 1)
-        err = rel(ours()[0](), want)
-        auto_ms = bench_ms(ours(), device)
-        unsplit_ms = bench_ms(ours({"SPLITS": 1}), device)
-        sweep_ms = {s: bench_ms(ours({**FIXED, "SPLITS": s}), device) for s in sweep
-                    if s <= fp8.cdiv(k, 128)}
+        splits = choices.fp8_linear_splits(rows, n, k, sms)
+        err = rel(ours(splits)[0](), want)
+        auto_ms = bench_ms(ours(splits), device)
+        unsplit_ms = bench_ms(ours(1), device)
+        sweep_ms = {s: bench_ms(ours(s, FIXED), device) for s in sweep if s <= fp8.cdiv(k, 128)}
         best = min(sweep_ms, key=sweep_ms.get)
         bf16_ms = bench_ms([lambda w=w: torch.nn.functional.linear(x, w.to(dtype)) for w in bf16_weights], device)
         inductor = "—"
@@ -144,8 +145,8 @@ def main(argv=None) -> int:
         f"{bandwidth / 1e12:.2f} TB/s); torch {torch.__version__}. Milliseconds per call, medians; the "
         "percentages are of the copy bandwidth. err: the relative error of ours (and the inductor form) against "
         "dequantise-then-float32.", "",
-        "| weight n x k | rows | ours (autotuned tiles, k_splits) ms | splits | unsplit ms | fixed tiles, best split "
-        "(all) | inductor one-row form ms | bf16 cuBLAS ms | unsplit / ours | bf16 / ours | err |",
+        "| weight n x k | rows | ours (autotuned tiles, the runtime's splits) ms | splits | unsplit ms | fixed tiles, "
+        "best split (all) | inductor one-row form ms | bf16 cuBLAS ms | unsplit / ours | bf16 / ours | err |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines = []

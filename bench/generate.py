@@ -632,11 +632,20 @@ def main(argv=None) -> int:
                 release(device)
                 print(row, flush=True)
                 model_rows.append((batch, row))
-                save("\n".join(header + rows + [r for _, r in model_rows]) + "\n")  # a run cut short keeps its rows
+                # a run cut short keeps its rows and profiles
+                save(document(header + rows + [r for _, r in model_rows], probe, profiles))
         rows += [row for _, row in sorted(model_rows, key=lambda r: batches.index(r[0]))]  # by batch, then mode
         del model
         release(device)
-    text = "\n".join(header + rows) + "\n"
+    text = document(header + rows, probe, profiles)
+    print(text[len("\n".join(header + rows)):])
+    save(text)
+    return 0
+
+
+def document(lines: list[str], probe: list[str], profiles: list[str]) -> str:
+    """The results file: the table's lines, then the attention probe's table and the profiles, where there are."""
+    text = "\n".join(lines) + "\n"
     if probe:
         text += ("\n## Decode attention over the cache, one layer (--attention-probe)\n\n"
                  "| model | batch x positions read | inputs | SDPA backend | ms | x cache floor | GB/s |\n"
@@ -644,9 +653,7 @@ def main(argv=None) -> int:
     if profiles:
         text += "\n## One decode step, profiled (compiled step run uncaptured)\n\n```\n" + "\n\n".join(profiles) + \
             "\n```\n"
-    print(text[len("\n".join(header + rows)):])
-    save(text)
-    return 0
+    return text
 
 
 if __name__ == "__main__":

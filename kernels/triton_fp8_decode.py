@@ -6,14 +6,13 @@ which holds every e4m3 value exactly, scaled in float32 after each K step).
 - routed_experts_fp8: kernels/triton_direct.py's direct experts (one program per (assignment, column tile), no
   dispatch, the routing weight applied in the second projection's epilogue) over FP8 expert weights (its kernels'
   SCALED form, with tiles of at most 128 channels of K).
-- linear_fp8: y = x W^T + b for a few rows (decode), one program per (row tile, column tile); one row is a
-  matrix-vector product, more rows a tensor-core dot over a row tile padded to 16.
+- linear_fp8: y = x W^T + b for a few rows (decode), one program per (row tile, column tile, K split); one row is a
+  matrix-vector product, more rows a tensor-core dot over a row tile padded to 16. Splitting K fills the GPU where
+  the column tiles alone are too few programs (how many splits: the runtime's choice).
 
 The K loop steps by at most 128 channels and 128 is a multiple of the step, so each step lies in one scale block:
 its scales are one float32 per output row of the tile.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -66,12 +65,6 @@ def routed_experts_fp8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 # ---- linear_fp8: a few rows (decode) times FP8 block-scaled weights
 
 MAX_DOT_ROWS = 64  # the largest row tile of the dot form
-# Split K until the grid has this many programs per SM: one column tile over the whole of K keeps too few loads in
-# flight to fill HBM at decode's few rows.
-PROGRAMS_PER_SM = 4
-# ... but keep the float32 partial sums (written, then read back) under this share of the FP8 weight's bytes.
-MAX_PARTIAL_SHARE = 0.25
-NOMINAL_BLOCK_N = 64  # the column tile the split count assumes (the autotuned one may differ)
 
 
 @triton.jit
@@ -148,24 +141,12 @@ def row_tile(rows: int) -> int:
     return 1 if rows == 1 else min(MAX_DOT_ROWS, max(16, triton.next_power_of_2(rows)))
 
 
-def k_splits(rows: int, n: int, k: int, sms: int) -> int:
-    """How many K splits of whole 128-blocks linear_fp8 runs for this shape on a GPU of `sms` SMs: enough for
-    PROGRAMS_PER_SM programs per SM, at most one per scale block, and few enough that the float32 partial sums
-    (4 bytes written and read per row, column and split) stay within MAX_PARTIAL_SHARE of the weight's bytes."""
-    block_m = row_tile(rows)
-    programs = triton.cdiv(n, NOMINAL_BLOCK_N) * (rows if block_m == 1 else triton.cdiv(rows, block_m))
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
-    affordable = int(MAX_PARTIAL_SHARE * k / (8 * rows))
-    return max(1, min(wanted, affordable, triton.cdiv(k, BLOCK)))
-
-
-def linear_fp8(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, bias, config: dict | None = None
-               ) -> torch.Tensor:
+def linear_fp8(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, bias, config: dict | None = None,
+               splits: int = 1) -> torch.Tensor:
     """x [M, K] (a few rows, DTYPES) times float8_e4m3fn w [N, K] with scale_inv [ceil(N/128), ceil(K/128)] -> [M, N]
-    in x's dtype. `config` ({BLOCK_N, BLOCK_K}, BLOCK_K dividing 128; optionally SPLITS) fixes the tiles and the
-    K splits; otherwise the tiles are autotuned and the splits are k_splits'."""
-    config = dict(config or {})
-    splits = config.pop("SPLITS", None)
+    in x's dtype, K cut into `splits` runs of whole scale blocks (as many as fit: fewer when K has fewer blocks), each
+    its own programs, their float32 partial sums then added in split order. `config` ({BLOCK_N, BLOCK_K}, BLOCK_K
+    dividing 128) fixes the tiles; otherwise autotuned."""
     _check_config({"": config} if config else None)
     rows, k = x.shape
     n = w.shape[0]
@@ -173,8 +154,6 @@ def linear_fp8(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, bias
     if rows == 0 or n == 0:
         return out
     x, w, w_scale_inv = x.contiguous(), w.contiguous(), w_scale_inv.float().contiguous()
-    if splits is None:
-        splits = k_splits(rows, n, k, _sm_count(x.device))
     k_split = triton.cdiv(triton.cdiv(k, BLOCK), splits) * BLOCK  # whole scale blocks per split
     splits = triton.cdiv(k, k_split)
     partial = x.new_empty(splits, rows, n, dtype=torch.float32) if splits > 1 else out
@@ -193,9 +172,3 @@ def linear_fp8(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, bias
                                                        SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=1024)
     return out
 
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # Triton's interpreter (the CPU tests): one split unless asked for more
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -36,6 +36,7 @@ DECODE_ROWS_PER_EXPERT = 64
 EAGER_HF_ROWS_PER_EXPERT = 2
 EXPERT_GEMM_CONFIG = "expert_gemm.json"  # in moecompile.kernels' configs/
 QUACK_GEMM_CONFIG = "quack_gemm.json"
+FP8_LINEAR_CONFIG = "fp8_linear.json"
 QUACK_FALLBACK = "triton_persistent"  # where "quack" is chosen but not installed, not Hopper, or the shape unsupported
 
 
@@ -51,6 +52,17 @@ FP8_LINEAR_MAX_ROWS = 64
 
 def fp8_linear_in_registers(rows: int) -> bool:
     return rows <= FP8_LINEAR_MAX_ROWS
+
+
+def fp8_linear_splits(rows: int, n: int, k: int, sms: int) -> int:
+    """How many K splits the FP8 linear's Triton kernel runs for x [rows, k] W[n, k]^T on a GPU of `sms` SMs: enough
+    programs to fill it, within kernels/configs/fp8_linear.json's bounds (its "about" says how)."""
+    data = fp8_linear_table()
+    column_tiles = -(-n // data["nominal_block_n"])  # times one row tile: at most FP8_LINEAR_MAX_ROWS rows
+    wanted = data["programs_per_sm"]["matvec" if rows == 1 else "dot"] * sms // column_tiles
+    affordable = int(data["max_partial_share"] * k / (8 * max(rows, 1)))
+    splits = max(1, min(wanted, affordable, -(-k // 128)))
+    return 1 << (splits.bit_length() - 1)
 
 
 def one_launch_route(tokens: int, num_experts: int) -> bool:
@@ -71,6 +83,11 @@ def regime(rows: int, num_experts: int) -> str:
 
 def _config_file(name: str) -> dict:
     return json.loads((resources.files("moecompile.kernels") / "configs" / name).read_text())
+
+
+@functools.cache
+def fp8_linear_table() -> dict:
+    return _config_file(FP8_LINEAR_CONFIG)
 
 
 @functools.cache

@@ -152,5 +152,7 @@ def linear_fp8(x, weight, weight_scale_inv, bias):
     if not choices.fp8_linear_in_registers(rows):
         w = fp8_math.dequantize_blocks(weight, weight_scale_inv, dtype=x.dtype)
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
-    y = triton_fp8_decode.linear_fp8(x.reshape(rows, x.shape[-1]), weight, weight_scale_inv, bias)
+    splits = choices.fp8_linear_splits(rows, weight.shape[0], weight.shape[1],
+                                       torch.cuda.get_device_properties(x.device).multi_processor_count)
+    y = triton_fp8_decode.linear_fp8(x.reshape(rows, x.shape[-1]), weight, weight_scale_inv, bias, splits=splits)
     return y.view(*x.shape[:-1], weight.shape[0])

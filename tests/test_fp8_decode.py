@@ -15,6 +15,7 @@ from moecompile.kernels import reference as R
 from moecompile.kernels import triton_fp8_decode
 from moecompile.passes import direct_experts
 from moecompile.passes.pipeline import run_pipeline
+from moecompile.runtime import choices
 
 TILES = {"in": {"BLOCK_N": 16, "BLOCK_K": 64}, "out": {"BLOCK_N": 16, "BLOCK_K": 32}}  # several tiles and K steps
 
@@ -99,7 +100,7 @@ def test_fp8_linear_matches_dequantised_float32(rows, bias, splits):
     b = torch.randn(150, generator=gen) if bias else None
     x = torch.randn(rows, 300, generator=gen)
     want = torch.nn.functional.linear(x, fp8.dequantize_blocks(q, s), b)
-    got = triton_fp8_decode.linear_fp8(x, q, s, b, config={"BLOCK_N": 32, "BLOCK_K": 64, "SPLITS": splits})
+    got = triton_fp8_decode.linear_fp8(x, q, s, b, config={"BLOCK_N": 32, "BLOCK_K": 64}, splits=splits)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(R.linear_fp8(x, q, s, b), want, rtol=1e-5, atol=1e-5)
     exact = torch.nn.functional.linear(x, w, b)
@@ -110,17 +111,20 @@ def test_fp8_linear_row_tiles():
     assert [triton_fp8_decode.row_tile(m) for m in (1, 2, 16, 17, 64, 65)] == [1, 16, 16, 32, 64, 64]
 
 
-def test_fp8_linear_k_splits():
-    """Splits fill the GPU (one row of a 4096-wide linear: 64 column tiles, 8 splits of 4 blocks on 132 SMs), never
-    more than K has scale blocks, and fewer as rows grow (their float32 partial sums cost bytes); none for a grid
-    that already fills the GPU, or on one SM (the interpreter)."""
-    splits = triton_fp8_decode.k_splits
-    assert splits(1, 4096, 4096, 132) >= 8
-    assert splits(1, 64, 300, 132) == 3
+def test_fp8_linear_splits():
+    """Splits fill the GPU (one row of a 4096-wide linear: 64 column tiles, 8 splits on 132 SMs), as a power of two,
+    never more than K has scale blocks, and fewer as rows grow (their float32 partial sums cost bytes); none for a
+    grid that already fills the GPU."""
+    splits = choices.fp8_linear_splits
+    assert splits(1, 4096, 4096, 132) == 8
+    assert splits(1, 64, 300, 132) == 2  # 3 scale blocks
     assert splits(1, 4096, 4096, 132) >= splits(16, 4096, 4096, 132) >= splits(64, 4096, 4096, 132) >= 1
-    for rows in (1, 16, 64):
-        s = splits(rows, 4096, 4096, 132)
-        assert s == 1 or 8 * s * rows <= triton_fp8_decode.MAX_PARTIAL_SHARE * 4096
+    share = choices.fp8_linear_table()["max_partial_share"]
+    for rows in (1, 2, 16, 64):
+        for n, k in ((4096, 4096), (5120, 2048), (2048, 4096), (1000, 200)):
+            s = splits(rows, n, k, 132)
+            assert s & (s - 1) == 0 and s <= fp8.cdiv(k, 128)
+            assert s == 1 or 8 * s * rows <= share * k
     assert splits(1, 65536, 4096, 132) == splits(2, 4096, 4096, 1) == 1
 
 

@@ -13,6 +13,7 @@ from moecompile.core import fp8_format as fp8
 from moecompile.generation import Generator
 from moecompile.kernels import reference as R
 from moecompile.kernels import triton_fp8_decode
+from moecompile.runtime import choices
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -58,14 +59,18 @@ def test_cuda_fp8_direct_experts_match_reference(tokens, experts, top_k, hidden,
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 64])
 @pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (1000, 200)])
-def test_cuda_fp8_linear_matches_reference(rows, n, k):
+@pytest.mark.parametrize("split", ["one", "runtime"])
+def test_cuda_fp8_linear_matches_reference(rows, n, k, split):
+    """The kernel with its tiles autotuned, K unsplit and split as the runtime splits it."""
     if not _fp8_sm89():
         pytest.skip("float8_e4m3fn in registers needs sm_89+")
     gen = torch.Generator(device=DEVICE).manual_seed(rows)
     q, s = fp8.quantize_blocks(torch.randn(n, k, device=DEVICE, generator=gen) / k ** 0.5)
     b = torch.randn(n, device=DEVICE, generator=gen).bfloat16()
     x = torch.randn(rows, k, device=DEVICE, generator=gen).bfloat16()
-    got = triton_fp8_decode.linear_fp8(x, q, s, b)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    splits = 1 if split == "one" else choices.fp8_linear_splits(rows, n, k, sms)
+    got = triton_fp8_decode.linear_fp8(x, q, s, b, splits=splits)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     assert _rel(got, R.linear_fp8(x, q, s, b)) <= 1e-2
 
