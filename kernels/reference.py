@@ -382,12 +382,19 @@ def router_logits(hidden, router_weight, router_bias, logits_fp32: bool):
 
 def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_factor: float, renormalize: bool,
                    scoring: str, correction_bias, n_group: int, topk_group: int, scaling_factor: float,
-                   logits_fp32: bool):
-    """Returns (weights [T, k] float32, expert_ids [T, k], sorted rows [T * k, H], order [T * k], offsets [E])."""
+                   logits_fp32: bool, copy_rows: bool = True):
+    """Returns (weights [T, k] float32, expert_ids [T, k], sorted rows [T * k, H] (without copy_rows: [0, H]),
+    order [T * k], offsets [E])."""
     logits = router_logits(hidden, router_weight, router_bias, logits_fp32)
     weights, ids = route_grouped(logits, top_k, capacity_factor, renormalize, scoring, correction_bias, n_group,
                                  topk_group, scaling_factor)
-    return (weights, ids, *dispatch(hidden, ids, router_weight.shape[0]))
+    rows, order, offsets = dispatch(hidden, ids, router_weight.shape[0])
+    return weights, ids, rows if copy_rows else rows[:0], order, offsets
+
+
+def experts_gathered(hidden, order, offsets, top_k: int, w_in, b_in, w_out, b_out, activation: str, gated: bool):
+    """experts over hidden's rows in expert order: hidden[order // top_k]."""
+    return experts(hidden.index_select(0, order // top_k), offsets, w_in, b_in, w_out, b_out, activation, gated)
 
 
 def route_dispatch_backward(grad_weights, grad_rows, hidden, router_weight, router_bias, expert_ids, order,

@@ -28,6 +28,8 @@ OPTIONS = {
     "mode": (str, None, "inductor mode, as torch.compile's mode= (e.g. max-autotune-no-cudagraphs)"),
     "inductor_config": (dict, None, "inductor config patches"),
     "fuse": (bool, True, "fuse_route_dispatch: router linear + routing + permutation as one op"),
+    "gather_rows": (bool, True, "gather_expert_rows: the experts read the token rows in expert order themselves "
+                                "instead of a permuted copy (inference graphs)"),
     "direct_experts": (bool, True, "direct_experts: at a few tokens (decode) permutation + experts + combine as one "
                                    "op over the unsorted assignments (inference graphs)"),
     "fuse_projections": (bool, True, "fuse_projections: linears reading one tensor (q/k/v, gate/up) as one GEMM "

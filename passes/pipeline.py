@@ -21,6 +21,7 @@ from moecompile.passes.direct_experts import direct_experts
 from moecompile.passes.find_ffn import find_ffn
 from moecompile.passes.fuse_projections import fuse_projections
 from moecompile.passes.fuse_route_dispatch import fuse_route_dispatch
+from moecompile.passes.gather_expert_rows import gather_expert_rows
 from moecompile.passes.gqa_attention import gqa_attention
 from moecompile.passes.insert_all_to_all import insert_all_to_all
 from moecompile.passes.insert_fp8 import insert_fp8, insert_fp8_linears
@@ -36,17 +37,20 @@ PIPELINES = {
     # (here and below) insert_fp8 and insert_all_to_all run only when options["fp8"] / options["expert_parallel"] ask
     "convert": [find_ffn, moeize, insert_fp8, insert_all_to_all],
     # Dynamo graphs in the torch.compile backend: existing MoE blocks -> moecompile ops, then their optimisation
-    # (keep_first_projection only in training graphs; direct_experts, fuse_projections, gqa_attention only in
-    # inference graphs; insert_fp8_linears after fuse_projections, so that a fused weight is quantised whole, and
-    # matvec_fp8_linears after both, over every FP8 linear the graph then has).
+    # (keep_first_projection only in training graphs; direct_experts, gather_expert_rows, fuse_projections,
+    # gqa_attention only in inference graphs; gather_expert_rows after fuse_route_dispatch, whose rows it reads, and
+    # after insert_fp8 and insert_all_to_all, which read the rows themselves; insert_fp8_linears after
+    # fuse_projections, so that a fused weight is quantised whole, and matvec_fp8_linears after both, over every FP8
+    # linear the graph then has).
     "compile": [recognise_moe, set_capacity, direct_experts, fuse_route_dispatch, insert_fp8, insert_all_to_all,
-                keep_first_projection, fuse_projections, insert_fp8_linears, matvec_fp8_linears, gqa_attention],
+                gather_expert_rows, keep_first_projection, fuse_projections, insert_fp8_linears, matvec_fp8_linears,
+                gqa_attention],
 }
 PIPELINE = PIPELINES["convert"]
 
 # passes that an option turns on (default None: off) or off (default True: on): pass -> (option, default)
 GATES = {set_capacity: ("capacity_factor", None), direct_experts: ("direct_experts", True),
-         fuse_route_dispatch: ("fuse", True),
+         fuse_route_dispatch: ("fuse", True), gather_expert_rows: ("gather_rows", True),
          insert_fp8: ("fp8", None), insert_fp8_linears: ("fp8_linears", None),
          insert_all_to_all: ("expert_parallel", None),
          fuse_projections: ("fuse_projections", True), matvec_fp8_linears: ("decode_matvec", True),

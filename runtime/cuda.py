@@ -38,29 +38,36 @@ def route_grouped(router_logits, top_k: int, capacity_factor: float, renormalize
     return reference.drop_over_capacity(weights, ids, capacity_factor, router_logits.shape[-1])
 
 
-def dispatch(hidden, expert_ids, num_experts: int):
+def dispatch(hidden, expert_ids, num_experts: int, copy_rows: bool = True):
+    """(rows, order, offsets); without copy_rows the rows are empty ([0, H]), for experts that gather them."""
     if not hidden.is_cuda:
-        return reference.dispatch(hidden, expert_ids, num_experts)
-    return triton_routing.dispatch(hidden, expert_ids, num_experts)
+        rows, order, offsets = reference.dispatch(hidden, expert_ids, num_experts)
+        return rows if copy_rows else rows[:0], order, offsets
+    rows, order, offsets = triton_routing.dispatch(hidden, expert_ids, num_experts, copy_rows=copy_rows)
+    return rows if copy_rows else hidden.new_empty(0, hidden.shape[1]), order, offsets
 
 
 def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_factor: float, renormalize: bool,
                    scoring: str, correction_bias, n_group: int, topk_group: int, scaling_factor: float,
-                   logits_fp32: bool):
+                   logits_fp32: bool, copy_rows: bool = True):
     logits = reference.router_logits(hidden, router_weight, router_bias, logits_fp32)
     tokens, num_experts = logits.shape
     if (_routable(logits, n_group, topk_group) and triton_routing.route_dispatch_fits(tokens, num_experts)
             and choices.one_launch_route(tokens, num_experts)
             and reference.capacity(capacity_factor, tokens, top_k, num_experts) < 0):  # decode: one launch
-        return triton_routing.small_route_dispatch(hidden, logits, top_k, renormalize, scoring, correction_bias,
-                                                   scaling_factor, n_group, topk_group)
+        weights, ids, rows, order, offsets = triton_routing.small_route_dispatch(
+            hidden, logits, top_k, renormalize, scoring, correction_bias, scaling_factor, n_group, topk_group)
+        return weights, ids, rows if copy_rows else rows[:0], order, offsets
     weights, ids = route_grouped(logits, top_k, capacity_factor, renormalize, scoring, correction_bias, n_group,
                                  topk_group, scaling_factor)
-    return (weights, ids, *dispatch(hidden, ids, router_weight.shape[0]))
+    return (weights, ids, *dispatch(hidden, ids, num_experts, copy_rows))
 
 
-def _projection_kernels(x, w_in, w_out, activation: str, gated: bool, training: bool = False) -> tuple[str, str]:
-    first, second = choices.expert_gemm_kernels(x.shape[0], x.shape[1], w_out.shape[2], w_out.shape[0], training)
+def _projection_kernels(x, w_in, w_out, activation: str, gated: bool, training: bool = False,
+                        rows: int | None = None) -> tuple[str, str]:
+    """(first, second) projection kernels for x's rows (or `rows` of them, gathered from x)."""
+    rows = x.shape[0] if rows is None else rows
+    first, second = choices.expert_gemm_kernels(rows, x.shape[1], w_out.shape[2], w_out.shape[0], training)
     if "quack" in (first, second) and not quack_gemm.supported(x, w_in, w_out, activation, gated):
         first, second = (choices.QUACK_FALLBACK if v == "quack" else v for v in (first, second))
     if not triton_moe.tma_supported(x, w_in):  # unaligned rows: the pointer-load kernel
@@ -103,6 +110,22 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     else:
         a, _ = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
     return _second_projection(a, offsets, w_out, b_out, second)
+
+
+def experts_gathered(hidden, order, offsets, top_k: int, w_in, b_in, w_out, b_out, activation: str, gated: bool):
+    """QuACK's first projection gathers its rows from hidden where it is the chosen kernel (no row copy, and no
+    pre-activation written); the other kernels read a gathered copy, as dispatch would have written it."""
+    rows = order.shape[0]
+    if rows and grouped_mm.supported(hidden, w_in, w_out):
+        first, second = _projection_kernels(hidden, w_in, w_out, activation, gated, rows=rows)
+        if first == "quack":
+            starts = quack_gemm.group_starts(offsets)
+            a = quack_gemm.first_projection(hidden, starts, w_in, b_in, activation, gated,
+                                            gather_rows=(order // top_k).to(torch.int32),
+                                            config=choices.quack_config("first", w_in.shape[2], w_in.shape[1],
+                                                                        gathered=True))
+            return _second_projection(a, offsets, w_out, b_out, second)
+    return experts(hidden.index_select(0, order // top_k), offsets, w_in, b_in, w_out, b_out, activation, gated)
 
 
 def _trains_on_quack(x, w_in, w_out, activation: str, gated: bool) -> bool:
@@ -219,8 +242,8 @@ def dispatch_backward(grad_sorted, order, tokens: int, top_k: int):
     return triton_moe.gather_sum(grad_sorted, order, tokens, top_k)
 
 
-for _op in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_train", "routed_experts",
-            "combine", "combine_backward", "dispatch_backward", "experts_combine_train",
+for _op in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_gathered", "experts_train",
+            "routed_experts", "combine", "combine_backward", "dispatch_backward", "experts_combine_train",
             "experts_combine_backward", "experts_combine_backward_reads_y"):
     register_kernel(_op, "cuda", globals()[_op])
 register_kernel("experts_backward", "cuda", experts_backward, supports={KEPT_H})

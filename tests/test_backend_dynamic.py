@@ -102,7 +102,7 @@ def test_converted_models_on_dynamic_shapes(family, method, capacity_factor, dyn
                             make_ids=lambda length: tiny_token_ids(seq=length))
     assert dict(record.reports)["fuse_route_dispatch"]["fused"]
     assert len(moe_nodes(record.graph_module, "route_dispatch")) == 1
-    assert len(moe_nodes(record.graph_module, "experts")) == 1
+    assert len(moe_nodes(record.graph_module, "experts_gathered")) == 1
 
 
 def test_recorded_capacity_factor_applies_alike():

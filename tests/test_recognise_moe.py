@@ -110,6 +110,7 @@ def test_dense_model_has_nothing_to_recognise():
                                  "fuse_route_dispatch": {"fused": []},
                                  "insert_fp8": {"skipped": "off (option fp8=None)"},
                                  "insert_all_to_all": {"skipped": "off (option expert_parallel=None)"},
+                                 "gather_expert_rows": {"gathered": []},
                                  "keep_first_projection": {"skipped": "inference graph"},
                                  "fuse_projections": {"fused": []},  # no real inputs given
                                  "insert_fp8_linears": {"skipped": "off (option fp8_linears=None)"},
@@ -213,7 +214,8 @@ def test_graph_check_catches_a_pass_that_breaks_the_graph():
 def test_compile_pipeline_is_one_ordered_list():
     assert [p.__name__ for p in PIPELINES["compile"]] == ["recognise_moe", "set_capacity", "direct_experts",
                                                           "fuse_route_dispatch", "insert_fp8", "insert_all_to_all",
-                                                          "keep_first_projection", "fuse_projections",
+                                                          "gather_expert_rows", "keep_first_projection",
+                                                          "fuse_projections",
                                                           "insert_fp8_linears", "matvec_fp8_linears",
                                                           "gqa_attention"]
     assert [p.__name__ for p in PIPELINES["convert"]] == ["find_ffn", "moeize", "insert_fp8", "insert_all_to_all"]

@@ -175,6 +175,22 @@ def _(x, offsets, w_in, b_in, w_out, b_out, activation, gated, interleaved=False
     return x.new_empty(x.shape[0], w_out.shape[1])
 
 
+@torch.library.custom_op("moecompile::experts_gathered", mutates_args=())
+def experts_gathered(hidden: Tensor, order: Tensor, offsets: Tensor, top_k: int, w_in: Tensor,
+                     b_in: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], activation: str,
+                     gated: bool) -> Tensor:
+    """experts(hidden[order // top_k], offsets, ...): the grouped FFN over the token rows in expert order, read
+    from hidden [T, H] by the kernel instead of a dispatched copy (route_dispatch's order and offsets, rows not
+    copied). Inference only."""
+    return _kernel("experts_gathered", hidden)(hidden, order, offsets, top_k, w_in, b_in, w_out, b_out, activation,
+                                               gated)
+
+
+@experts_gathered.register_fake
+def _(hidden, order, offsets, top_k, w_in, b_in, w_out, b_out, activation, gated):
+    return hidden.new_empty(order.shape[0], w_out.shape[1])
+
+
 @torch.library.custom_op("moecompile::experts_train", mutates_args=())
 def experts_train(x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor], w_out: Tensor,
                   b_out: Optional[Tensor], activation: str, gated: bool, interleaved: bool = False,
@@ -387,21 +403,22 @@ def _(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation, gated, inter
 def route_dispatch(hidden: Tensor, router_weight: Tensor, router_bias: Optional[Tensor], top_k: int,
                    capacity_factor: float, renormalize: bool, scoring: str = "softmax",
                    correction_bias: Optional[Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                   scaling_factor: float = 1.0, logits_fp32: bool = True
+                   scaling_factor: float = 1.0, logits_fp32: bool = True, copy_rows: bool = True
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """hidden [T, H], router_weight [E, H] -> (weights [T, k] float32, expert_ids [T, k], rows [T * k, H],
-    order [T * k], offsets [E]): the outputs of route_grouped and dispatch, router logits never leave the op."""
+    order [T * k], offsets [E]): the outputs of route_grouped and dispatch, router logits never leave the op.
+    Without copy_rows, rows is empty ([0, H]): the experts gather the token rows themselves (experts_gathered)."""
     return _kernel("route_dispatch", hidden)(hidden, router_weight, router_bias, top_k, capacity_factor, renormalize,
                                              scoring, correction_bias, n_group, topk_group, scaling_factor,
-                                             logits_fp32)
+                                             logits_fp32, copy_rows)
 
 
 @route_dispatch.register_fake
 def _(hidden, router_weight, router_bias, top_k, capacity_factor, renormalize, scoring="softmax",
-      correction_bias=None, n_group=1, topk_group=1, scaling_factor=1.0, logits_fp32=True):
+      correction_bias=None, n_group=1, topk_group=1, scaling_factor=1.0, logits_fp32=True, copy_rows=True):
     tokens, rows = hidden.shape[0], hidden.shape[0] * top_k
     return (hidden.new_empty(tokens, top_k, dtype=torch.float32), hidden.new_empty(tokens, top_k, dtype=torch.int64),
-            hidden.new_empty(rows, hidden.shape[-1]), hidden.new_empty(rows, dtype=torch.int64),
+            hidden.new_empty(rows if copy_rows else 0, hidden.shape[-1]), hidden.new_empty(rows, dtype=torch.int64),
             hidden.new_empty(router_weight.shape[0], dtype=torch.int32))
 
 
@@ -427,18 +444,21 @@ def _(grad_weights, grad_rows, hidden, router_weight, router_bias, expert_ids, o
 
 
 def _route_dispatch_setup(ctx, inputs, output):
-    hidden, router_weight, router_bias, top_k, _, *routing = inputs
+    hidden, router_weight, router_bias, top_k, _, *routing, copy_rows = inputs
     ctx.save_for_backward(hidden, router_weight, router_bias, routing[2], output[1], output[3])
-    ctx.top_k, ctx.routing = top_k, routing[:2] + [None] + routing[3:]
+    ctx.top_k, ctx.routing, ctx.copy_rows = top_k, routing[:2] + [None] + routing[3:], copy_rows
 
 
 def _route_dispatch_backward(ctx, grad_weights, grad_ids, grad_rows, grad_order, grad_offsets):
+    if not ctx.copy_rows:
+        raise MoECompileError("moecompile::route_dispatch without copy_rows is inference-only (its rows are read "
+                              "by experts_gathered, which has no backward)")
     hidden, router_weight, router_bias, correction_bias, expert_ids, order = ctx.saved_tensors
     renormalize, scoring, _, n_group, topk_group, scaling_factor, logits_fp32 = ctx.routing
     g_hidden, g_weight, g_bias = route_dispatch_backward(
         grad_weights.contiguous(), grad_rows.contiguous(), hidden, router_weight, router_bias, expert_ids, order,
         ctx.top_k, renormalize, scoring, correction_bias, n_group, topk_group, scaling_factor, logits_fp32)
-    return (g_hidden, g_weight, g_bias if router_bias is not None else None) + (None,) * 9
+    return (g_hidden, g_weight, g_bias if router_bias is not None else None) + (None,) * 10
 
 
 route_dispatch.register_autograd(_route_dispatch_backward, setup_context=_route_dispatch_setup)
@@ -538,10 +558,11 @@ def _(x, weight, weight_scale_inv, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def _no_backward(op_name: str):
+def _no_backward(op_name: str, why: str = "the FP8 ops have no backward",
+                 then: str = ", or moecompile.ir.fp8.dequantize(model) to train it"):
     def backward(ctx, *grads):
-        raise MoECompileError(f"moecompile::{op_name} is inference-only (the FP8 ops have no backward): run the "
-                              "model under torch.no_grad(), or moecompile.ir.fp8.dequantize(model) to train it")
+        raise MoECompileError(f"moecompile::{op_name} is inference-only ({why}): run the model under "
+                              f"torch.no_grad(){then}")
     return backward
 
 
@@ -549,6 +570,9 @@ quantize_fp8.register_autograd(_no_backward("quantize_fp8"), setup_context=lambd
 experts_fp8.register_autograd(_no_backward("experts_fp8"), setup_context=lambda ctx, inputs, output: None)
 routed_experts_fp8.register_autograd(_no_backward("routed_experts_fp8"), setup_context=lambda ctx, inputs, output: None)
 linear_fp8.register_autograd(_no_backward("linear_fp8"), setup_context=lambda ctx, inputs, output: None)
+experts_gathered.register_autograd(
+    _no_backward("experts_gathered", "a training graph keeps dispatch's row copy", then=""),
+    setup_context=lambda ctx, inputs, output: None)
 
 
 # ---- autocast: the expert GEMMs run in the autocast dtype (their float inputs cast, as autocast casts a linear's);
@@ -573,6 +597,7 @@ def _register_autocast(name: str, cast: tuple[int, ...]):
 
 _register_autocast("experts", cast=(0, 2, 3, 4, 5))  # x, w_in, b_in, w_out, b_out
 _register_autocast("experts_train", cast=(0, 2, 3, 4, 5))
+_register_autocast("experts_gathered", cast=(0, 4, 5, 6, 7))  # hidden, w_in, b_in, w_out, b_out
 _register_autocast("experts_combine_train", cast=(0, 4, 5, 6, 7))  # x, w_in, b_in, w_out, b_out (not the weights)
 _register_autocast("quantize_fp8", cast=())
 _register_autocast("experts_fp8", cast=())
@@ -580,5 +605,5 @@ _register_autocast("routed_experts_fp8", cast=())
 _register_autocast("linear_fp8", cast=())
 
 MOE_OPS = (route, dispatch, experts, combine)
-FUSED_OPS = (route_grouped, route_dispatch)
+FUSED_OPS = (route_grouped, route_dispatch, experts_gathered)
 FP8_OPS = (quantize_fp8, experts_fp8, routed_experts_fp8, linear_fp8)

@@ -1,0 +1,136 @@
+"""gather_expert_rows and the op it emits: experts_gathered over route_dispatch's order (its row copy off) against
+route_dispatch + experts + combine and a per-token float32 loop, on the edge cases of routing; the pass on the HF
+families' compile graphs (inference only, GPT-OSS's activation left alone, option gather_rows)."""
+import pytest
+import torch
+from hf_moe import FAMILIES, MOE_LAYERS, dynamo_graphs, moe_nodes, tiny_moe, token_ids
+from naive import naive_act
+
+from moecompile.core.errors import MoECompileError
+from moecompile.passes.nodes import arg
+from moecompile.passes.pipeline import run_pipeline
+
+OPS = torch.ops.moecompile
+
+def _to_expert(e, logit):
+    """A router change giving expert e `logit` more on every token (through the inputs' first channel, set to 1)."""
+    def tweak(hid, router):
+        hid[:, 0] = 1.0
+        router[e, 0] = logit
+    return tweak
+
+
+# name: (tokens, hidden, experts, width, top_k, capacity_factor, router tweak)
+CASES = {
+    "random": (37, 24, 6, 20, 2, 0.0, None),
+    "batch_1": (1, 24, 6, 20, 2, 0.0, None),
+    "k_equals_e": (9, 16, 4, 12, 4, 0.0, None),
+    "one_expert_takes_all": (15, 16, 5, 8, 1, 0.0, _to_expert(2, 100.0)),
+    "empty_experts": (20, 16, 6, 8, 2, 0.0, _to_expert(slice(3, None), -100.0)),
+    "capacity_overflow": (40, 16, 4, 8, 2, 0.5, None),  # a capacity of 5 rows each: most assignments dropped
+    "odd_sizes": (13, 7, 3, 5, 2, 0.0, None),
+}
+
+
+def _case(name, gated, bias, seed=0):
+    tokens, hidden, experts, width, k, cf, tweak = CASES[name]
+    g = torch.Generator().manual_seed(seed)
+    hid = torch.randn(tokens, hidden, generator=g)
+    router = torch.randn(experts, hidden, generator=g)
+    if tweak is not None:
+        tweak(hid, router)
+    w_in = torch.randn(experts, (2 if gated else 1) * width, hidden, generator=g) / hidden ** 0.5
+    w_out = torch.randn(experts, hidden, width, generator=g) / width ** 0.5
+    b_in = torch.randn(experts, w_in.shape[1], generator=g) if bias else None
+    b_out = torch.randn(experts, hidden, generator=g) if bias else None
+    return hid, router, k, cf, (w_in, b_in, w_out, b_out)
+
+
+def _per_token(hid, weights, ids, w_in, b_in, w_out, b_out, gated):
+    """The layer one token and one assignment at a time in float32; a dropped assignment (id E) adds nothing."""
+    out = torch.zeros_like(hid)
+    for t in range(hid.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e >= w_in.shape[0]:
+                continue
+            h = w_in[e] @ hid[t] + (b_in[e] if b_in is not None else 0)
+            a = naive_act("silu", h.chunk(2)[0]) * h.chunk(2)[1] if gated else naive_act("silu", h)
+            out[t] += weights[t, j] * (w_out[e] @ a + (b_out[e] if b_out is not None else 0))
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
+def test_gathered_experts_match_the_copied_rows_and_a_per_token_loop(case, gated, bias):
+    hid, router, k, cf, (w_in, b_in, w_out, b_out) = _case(case, gated, bias)
+    routing = ("softmax", None, 1, 1, 1.0, True)
+    weights, ids, rows, order, offsets = OPS.route_dispatch(hid, router, None, k, cf, True, *routing)
+    copied = OPS.combine(OPS.experts(rows, offsets, w_in, b_in, w_out, b_out, "silu", gated), order, weights)
+    g_weights, g_ids, g_rows, g_order, g_offsets = OPS.route_dispatch(hid, router, None, k, cf, True, *routing,
+                                                                      copy_rows=False)
+    assert g_rows.shape == (0, hid.shape[1])  # no row copy
+    assert torch.equal(g_ids, ids) and torch.equal(g_order, order) and torch.equal(g_offsets, offsets)
+    y = OPS.experts_gathered(hid, g_order, g_offsets, k, w_in, b_in, w_out, b_out, "silu", gated)
+    assert y.shape == (hid.shape[0] * k, hid.shape[1])
+    gathered = OPS.combine(y, g_order, g_weights)
+    torch.testing.assert_close(gathered, copied, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gathered, _per_token(hid, weights, ids, w_in, b_in, w_out, b_out, gated), rtol=1e-4,
+                               atol=1e-5)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    if case == "capacity_overflow":
+        assert int(offsets[-1]) < hid.shape[0] * k  # assignments were dropped
+    if case == "empty_experts":
+        assert (counts[3:] == 0).all()
+    if case == "one_expert_takes_all":
+        assert int(counts[2]) == hid.shape[0]
+
+
+def test_ops_opcheck():
+    hid, router, k, cf, (w_in, b_in, w_out, b_out) = _case("random", True, True)
+    routing = ("softmax", None, 1, 1, 1.0, True)
+    torch.library.opcheck(OPS.route_dispatch.default, (hid, router, None, k, cf, True, *routing, False))
+    _, _, _, order, offsets = OPS.route_dispatch(hid, router, None, k, cf, True, *routing, False)
+    torch.library.opcheck(OPS.experts_gathered.default, (hid, order, offsets, k, w_in, b_in, w_out, b_out, "silu",
+                                                         True), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_gathered_experts_have_no_backward():
+    hid, router, k, cf, (w_in, b_in, w_out, b_out) = _case("random", True, False)
+    w_in.requires_grad_(True)
+    _, _, _, order, offsets = OPS.route_dispatch(hid, router, None, k, cf, True, "softmax", None, 1, 1, 1.0, True,
+                                                 False)
+    y = OPS.experts_gathered(hid, order, offsets, k, w_in, None, w_out, None, "silu", True)
+    with pytest.raises(MoECompileError, match="inference-only"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pass_gathers_every_block_of_an_inference_graph(family):
+    """Every MoE block's experts read their rows themselves (GPT-OSS's activation excepted), the graph's output
+    unchanged; with option gather_rows off the row copy stays."""
+    model, ids = tiny_moe(family), token_ids()
+    ((gm, inputs),) = dynamo_graphs(model, ids, use_cache=False)
+    with torch.no_grad():
+        want = gm(*inputs)[0]
+        off, ctx_off = run_pipeline(gm, {"gather_rows": False}, pipeline="compile")
+        assert dict(ctx_off.reports)["gather_expert_rows"] == {"skipped": "off (option gather_rows=False)"}
+        ((gm, inputs),) = dynamo_graphs(model, ids, use_cache=False)
+        gm, ctx = run_pipeline(gm, pipeline="compile")
+        got = gm(*inputs)[0]
+    report = dict(ctx.reports)["gather_expert_rows"]
+    gathers = family != "tiny-gpt-oss"
+    assert len(report["gathered"]) == (MOE_LAYERS[family] if gathers else 0)
+    assert len(moe_nodes(gm, "experts_gathered")) == len(report["gathered"])
+    assert len(moe_nodes(gm, "experts")) == (0 if gathers else MOE_LAYERS[family])
+    assert all(arg(n, "copy_rows") is False for n in moe_nodes(gm, "route_dispatch")) == gathers
+    assert len(moe_nodes(off, "experts")) == MOE_LAYERS[family] and not moe_nodes(off, "experts_gathered")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_pass_leaves_training_graphs_alone():
+    model, ids = tiny_moe("tiny-qwen3-moe"), token_ids()
+    ((gm, _),) = dynamo_graphs(model, ids, use_cache=False)
+    gm, ctx = run_pipeline(gm, pipeline="compile", training=True)
+    assert dict(ctx.reports)["gather_expert_rows"] == {"skipped": "training graph"}
+    assert not moe_nodes(gm, "experts_gathered")
