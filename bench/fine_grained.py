@@ -300,7 +300,8 @@ def main(argv=None):
     p.add_argument("--vllm", action="store_true", help="vLLM's fused_moe as a peer (carry .peers/)")
     p.add_argument("--commit", default=None, help="the commit for the header where git is absent")
     p.add_argument("--gathered", action="store_true",
-                   help="also the layer with QuACK's first projection gathering token rows (measured slower)")
+                   help="also the layer with QuACK's first projection gathering token rows (as gather_expert_rows "
+                        "makes a compiled layer run)")
     p.add_argument("--train-only", action="store_true", help="only the training rows (of every --shapes shape)")
     p.add_argument("--no-sonic", action="store_true", help="without SonicMoE")
     p.add_argument("--profile", action="store_true", help="print a kernel breakdown of our layer (and gathered)")
