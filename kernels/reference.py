@@ -153,14 +153,16 @@ def route_grouped_backward(grad_weights, router_logits, expert_ids, top_k: int, 
     return grad.to(router_logits.dtype)
 
 
-def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
-    """Permute token rows into expert-contiguous order. Returns (sorted_hidden, order, offsets)."""
+def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, copy_rows: bool = True):
+    """Permute token rows into expert-contiguous order. Returns (sorted_hidden, order, offsets); without copy_rows
+    sorted_hidden is empty ([0, H])."""
     top_k = expert_ids.shape[-1]
     flat_ids = expert_ids.reshape(-1)
     order = torch.argsort(flat_ids.to(torch.int32), stable=True)  # 32-bit keys: half the radix passes
     counts = _counts(flat_ids, num_experts + 1)[:num_experts]
     offsets = torch.cumsum(counts, 0).to(torch.int32)
-    return hidden.index_select(0, order // top_k), order, offsets
+    rows = hidden.index_select(0, order // top_k) if copy_rows else hidden.new_empty(0, hidden.shape[-1])
+    return rows, order, offsets
 
 
 def dispatch_backward(grad_sorted: torch.Tensor, order: torch.Tensor, tokens: int, top_k: int):
@@ -388,8 +390,7 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
     logits = router_logits(hidden, router_weight, router_bias, logits_fp32)
     weights, ids = route_grouped(logits, top_k, capacity_factor, renormalize, scoring, correction_bias, n_group,
                                  topk_group, scaling_factor)
-    rows, order, offsets = dispatch(hidden, ids, router_weight.shape[0])
-    return weights, ids, rows if copy_rows else rows[:0], order, offsets
+    return (weights, ids, *dispatch(hidden, ids, router_weight.shape[0], copy_rows))
 
 
 def experts_gathered(hidden, order, offsets, top_k: int, w_in, b_in, w_out, b_out, activation: str, gated: bool):

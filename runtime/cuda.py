@@ -41,8 +41,7 @@ def route_grouped(router_logits, top_k: int, capacity_factor: float, renormalize
 def dispatch(hidden, expert_ids, num_experts: int, copy_rows: bool = True):
     """(rows, order, offsets); without copy_rows the rows are empty ([0, H]), for experts that gather them."""
     if not hidden.is_cuda:
-        rows, order, offsets = reference.dispatch(hidden, expert_ids, num_experts)
-        return rows if copy_rows else rows[:0], order, offsets
+        return reference.dispatch(hidden, expert_ids, num_experts, copy_rows)
     rows, order, offsets = triton_routing.dispatch(hidden, expert_ids, num_experts, copy_rows=copy_rows)
     return rows if copy_rows else hidden.new_empty(0, hidden.shape[1]), order, offsets
 
@@ -57,7 +56,7 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
             and reference.capacity(capacity_factor, tokens, top_k, num_experts) < 0):  # decode: one launch
         weights, ids, rows, order, offsets = triton_routing.small_route_dispatch(
             hidden, logits, top_k, renormalize, scoring, correction_bias, scaling_factor, n_group, topk_group)
-        return weights, ids, rows if copy_rows else rows[:0], order, offsets
+        return weights, ids, rows if copy_rows else hidden.new_empty(0, hidden.shape[1]), order, offsets
     weights, ids = route_grouped(logits, top_k, capacity_factor, renormalize, scoring, correction_bias, n_group,
                                  topk_group, scaling_factor)
     return (weights, ids, *dispatch(hidden, ids, num_experts, copy_rows))
@@ -120,7 +119,7 @@ def experts_gathered(hidden, order, offsets, top_k: int, w_in, b_in, w_out, b_ou
         first, second = _projection_kernels(hidden, w_in, w_out, activation, gated, rows=rows)
         if first == "quack":
             starts = quack_gemm.group_starts(offsets)
-            a = quack_gemm.first_projection(hidden, starts, w_in, b_in, activation, gated,
+            a = quack_gemm.first_projection(hidden.contiguous(), starts, w_in, b_in, activation, gated,
                                             gather_rows=(order // top_k).to(torch.int32),
                                             config=choices.quack_config("first", w_in.shape[2], w_in.shape[1],
                                                                         gathered=True))

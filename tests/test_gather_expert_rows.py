@@ -5,8 +5,10 @@ import pytest
 import torch
 from hf_moe import FAMILIES, MOE_LAYERS, dynamo_graphs, moe_nodes, tiny_moe, token_ids
 from naive import naive_act
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moecompile.core.errors import MoECompileError
+from moecompile.ir import ops
 from moecompile.passes.nodes import arg
 from moecompile.passes.pipeline import run_pipeline
 
@@ -134,3 +136,35 @@ def test_pass_leaves_training_graphs_alone():
     gm, ctx = run_pipeline(gm, pipeline="compile", training=True)
     assert dict(ctx.reports)["gather_expert_rows"] == {"skipped": "training graph"}
     assert not moe_nodes(gm, "experts_gathered")
+
+
+class _Ops(TorchDispatchMode):
+    """The moecompile ops a call runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "moecompile":
+            self.names.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ["random", "capacity_overflow", "one_expert_takes_all"])
+def test_eager_inference_gathers_and_training_copies(case):
+    """An MoE module's eager forward without gradients runs experts_gathered over an uncopied dispatch; with
+    gradients, the copied rows and experts_combine_train; both give the per-token loop's output."""
+    hid, router, k, cf, (w_in, b_in, w_out, b_out) = _case(case, True, True)
+    weights, ids = OPS.route(hid @ router.t(), k, cf, True)
+    want = _per_token(hid, weights, ids, w_in, b_in, w_out, b_out, True)
+    args = (ids, router.shape[0], w_in, b_in, w_out, b_out, "silu", True)
+    with torch.no_grad(), _Ops() as seen:
+        got = ops.dispatch_ffn_combine(hid, weights, *args)
+    assert seen.names == ["dispatch", "experts_gathered", "combine"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    w_in.requires_grad_(True)
+    with _Ops() as seen:
+        trained = ops.dispatch_ffn_combine(hid, weights, *args)
+    assert seen.names == ["dispatch", "experts_combine_train"]
+    torch.testing.assert_close(trained.detach(), want, rtol=1e-4, atol=1e-5)

@@ -90,9 +90,9 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     if spec["bias"]:
         b_in = self.gate_up_proj_bias if spec["gated"] else self.up_proj_bias
         b_out = self.down_proj_bias
-    rows, order, offsets = ops.dispatch(hidden_states, top_k_index, self.num_experts)
-    return ops.expert_ffn_combine(rows, offsets, order, top_k_weights, w_in, b_in, w_out, b_out, spec["activation"],
-                                  spec["gated"], spec["interleaved"], spec["alpha"], spec["limit"])
+    return ops.dispatch_ffn_combine(hidden_states, top_k_weights, top_k_index, self.num_experts, w_in, b_in, w_out,
+                                    b_out, spec["activation"], spec["gated"], spec["interleaved"], spec["alpha"],
+                                    spec["limit"])
 
 
 def _hf_small_batch_experts():

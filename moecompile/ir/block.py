@@ -61,9 +61,8 @@ class MoEExperts(nn.Module):
 
     def routed(self, x, weights, expert_ids, activation: str, gated: bool) -> torch.Tensor:
         """Dispatch tokens x [T, H] to their experts, run them and combine their outputs by the routing weights."""
-        rows, order, offsets = ops.dispatch(x, expert_ids, self.w_in.shape[0])
-        return ops.expert_ffn_combine(rows, offsets, order, weights, self.w_in, self.b_in, self.w_out, self.b_out,
-                                      activation, gated)
+        return ops.dispatch_ffn_combine(x, weights, expert_ids, self.w_in.shape[0], self.w_in, self.b_in, self.w_out,
+                                        self.b_out, activation, gated)
 
 
 class MoEBlock(nn.Module):

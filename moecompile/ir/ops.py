@@ -110,16 +110,21 @@ route_grouped.register_autograd(_route_grouped_backward, setup_context=_route_gr
 
 # ---- dispatch: tokens [T, H] -> rows in expert order [N, H], order [N] int64, offsets [E] int32
 
+_UNCOPIED_ROWS = ("moecompile::{op} without copy_rows is inference-only (experts_gathered reads the tokens instead, "
+                  "and has no backward)")
+
 @torch.library.custom_op("moecompile::dispatch", mutates_args=())
-def dispatch(hidden: Tensor, expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    return _kernel("dispatch", hidden)(hidden, expert_ids, num_experts)
+def dispatch(hidden: Tensor, expert_ids: Tensor, num_experts: int, copy_rows: bool = True
+             ) -> tuple[Tensor, Tensor, Tensor]:
+    """Without copy_rows, rows is empty ([0, H]): the experts gather the token rows themselves (experts_gathered)."""
+    return _kernel("dispatch", hidden)(hidden, expert_ids, num_experts, copy_rows)
 
 
 @dispatch.register_fake
-def _(hidden, expert_ids, num_experts):
+def _(hidden, expert_ids, num_experts, copy_rows=True):
     rows = expert_ids.numel()
-    return (hidden.new_empty(rows, hidden.shape[-1]), expert_ids.new_empty(rows, dtype=torch.int64),
-            expert_ids.new_empty(num_experts, dtype=torch.int32))
+    return (hidden.new_empty(rows if copy_rows else 0, hidden.shape[-1]),
+            expert_ids.new_empty(rows, dtype=torch.int64), expert_ids.new_empty(num_experts, dtype=torch.int32))
 
 
 @torch.library.custom_op("moecompile::dispatch_backward", mutates_args=())
@@ -133,14 +138,16 @@ def _(grad_sorted, order, tokens, top_k):
 
 
 def _dispatch_setup(ctx, inputs, output):
-    hidden, expert_ids, _ = inputs
+    hidden, expert_ids, _, copy_rows = inputs
     ctx.save_for_backward(output[1])
-    ctx.tokens, ctx.top_k = hidden.shape[0], expert_ids.shape[-1]
+    ctx.tokens, ctx.top_k, ctx.copy_rows = hidden.shape[0], expert_ids.shape[-1], copy_rows
 
 
 def _dispatch_backward(ctx, grad_sorted, grad_order, grad_offsets):
+    if not ctx.copy_rows:
+        raise MoECompileError(_UNCOPIED_ROWS.format(op="dispatch"))
     (order,) = ctx.saved_tensors
-    return dispatch_backward(grad_sorted.contiguous(), order, ctx.tokens, ctx.top_k), None, None
+    return dispatch_backward(grad_sorted.contiguous(), order, ctx.tokens, ctx.top_k), None, None, None
 
 
 dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
@@ -376,6 +383,23 @@ def expert_ffn_combine(x: Tensor, offsets: Tensor, order: Tensor, weights: Tenso
                    order, weights)
 
 
+def dispatch_ffn_combine(x: Tensor, weights: Tensor, expert_ids: Tensor, num_experts: int, w_in: Tensor,
+                         b_in: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], activation: str, gated: bool,
+                         interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
+    """dispatch, the experts, combine: what the MoE modules call. In eager inference the experts gather their rows
+    from x (experts_gathered: dispatch writes no row copy), as gather_expert_rows makes a compiled graph run; else
+    expert_ffn_combine over dispatch's rows (captured graphs get those ops, for the passes to rewrite)."""
+    glu = glu_args(activation, interleaved, alpha, limit)
+    needs_grad = any(t is not None and t.requires_grad for t in (x, weights, w_in, b_in, w_out, b_out))
+    if not (glu or torch.compiler.is_compiling() or (torch.is_grad_enabled() and needs_grad)):
+        _, order, offsets = dispatch(x, expert_ids, num_experts, copy_rows=False)
+        return combine(experts_gathered(x, order, offsets, expert_ids.shape[-1], w_in, b_in, w_out, b_out, activation,
+                                        gated), order, weights)
+    rows, order, offsets = dispatch(x, expert_ids, num_experts)
+    return expert_ffn_combine(rows, offsets, order, weights, w_in, b_in, w_out, b_out, activation, gated, interleaved,
+                              alpha, limit)
+
+
 # ---- routed_experts: dispatch -> experts -> combine's terms in one op for few tokens (emitted by direct_experts)
 
 @torch.library.custom_op("moecompile::routed_experts", mutates_args=())
@@ -451,8 +475,7 @@ def _route_dispatch_setup(ctx, inputs, output):
 
 def _route_dispatch_backward(ctx, grad_weights, grad_ids, grad_rows, grad_order, grad_offsets):
     if not ctx.copy_rows:
-        raise MoECompileError("moecompile::route_dispatch without copy_rows is inference-only (its rows are read "
-                              "by experts_gathered, which has no backward)")
+        raise MoECompileError(_UNCOPIED_ROWS.format(op="route_dispatch"))
     hidden, router_weight, router_bias, correction_bias, expert_ids, order = ctx.saved_tensors
     renormalize, scoring, _, n_group, topk_group, scaling_factor, logits_fp32 = ctx.routing
     g_hidden, g_weight, g_bias = route_dispatch_backward(
