@@ -7,8 +7,9 @@ rows itself (QuACK's), the permuted [T * k, H] copy of the activations is never 
     after    weights, ids, _, order, offsets = route_dispatch(hidden, ..., copy_rows=False)
              y = experts_gathered(hidden, order, offsets, top_k, w_in, b_in, w_out, b_out, activation, gated)
 
-Left alone: training graphs (the dispatch's backward reads the rows; experts_gathered has no backward), rows that
-anything else reads, and GPT-OSS's activation arguments (interleaved gate / up, swiglu_oai), which
+Left alone: training graphs (the dispatch's backward reads the rows; experts_gathered has no backward), blocks of
+fewer assignments than a batch (ops.gathers_rows: there the copy is part of the one-launch routing kernels), rows
+that anything else reads, and GPT-OSS's activation arguments (interleaved gate / up, swiglu_oai), which
 experts_gathered does not take.
 """
 from __future__ import annotations
@@ -18,8 +19,8 @@ import operator
 import torch
 from torch import fx
 
-from moecompile.ir.ops import glu_args
-from moecompile.passes.nodes import arg, block_meta, call_op, moe_op, op_args, set_arg
+from moecompile.ir.ops import gathers_rows, glu_args
+from moecompile.passes.nodes import arg, block_meta, call_op, moe_op, op_args, set_arg, value
 
 EXPERTS_GATHERED = torch.ops.moecompile.experts_gathered.default
 ROWS, ORDER, OFFSETS = 2, 3, 4  # route_dispatch's outputs
@@ -57,6 +58,9 @@ def gather_expert_rows(gm: fx.GraphModule, ctx) -> dict:
         kw = op_args(node)
         route_dispatch = _rows_source(node)
         if route_dispatch is None or glu_args(kw["activation"], kw["interleaved"], kw["alpha"], kw["limit"]):
+            continue
+        rows, offsets = value(kw["x"]), value(kw["offsets"])  # [T * k, H], [E]
+        if rows is not None and offsets is not None and not gathers_rows(rows.shape[0], offsets.shape[0]):
             continue
         rows = kw["x"]
         order = _order(gm.graph, route_dispatch)

@@ -31,6 +31,7 @@ CASES = {
     "empty_experts": (20, 16, 6, 8, 2, 0.0, _to_expert(slice(3, None), -100.0)),
     "capacity_overflow": (40, 16, 4, 8, 2, 0.5, None),  # a capacity of 5 rows each: most assignments dropped
     "odd_sizes": (13, 7, 3, 5, 2, 0.0, None),
+    "batch": (256, 16, 4, 8, 2, 0.0, None),  # 128 rows per expert: a batch, where the experts gather (gathers_rows)
 }
 
 
@@ -107,11 +108,14 @@ def test_gathered_experts_have_no_backward():
         y.sum().backward()
 
 
+BATCH_IDS = dict(batch=8, length=32)  # 256 tokens: at least 64 rows per expert for every tiny family (<= 8 at top-2)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pass_gathers_every_block_of_an_inference_graph(family):
-    """Every MoE block's experts read their rows themselves (GPT-OSS's activation excepted), the graph's output
-    unchanged; with option gather_rows off the row copy stays."""
-    model, ids = tiny_moe(family), token_ids()
+    """At a batch every MoE block's experts read their rows themselves (GPT-OSS's activation excepted), the graph's
+    output unchanged; with option gather_rows off the row copy stays."""
+    model, ids = tiny_moe(family), token_ids(**BATCH_IDS)
     ((gm, inputs),) = dynamo_graphs(model, ids, use_cache=False)
     with torch.no_grad():
         want = gm(*inputs)[0]
@@ -128,6 +132,15 @@ def test_pass_gathers_every_block_of_an_inference_graph(family):
     assert all(arg(n, "copy_rows") is False for n in moe_nodes(gm, "route_dispatch")) == gathers
     assert len(moe_nodes(off, "experts")) == MOE_LAYERS[family] and not moe_nodes(off, "experts_gathered")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_pass_leaves_small_batches_alone():
+    """16 tokens of a 4-expert model are fewer rows than a batch: dispatch's one-launch copy stays."""
+    ((gm, _),) = dynamo_graphs(tiny_moe("tiny-qwen3-moe"), token_ids(), use_cache=False)
+    with torch.no_grad():
+        gm, ctx = run_pipeline(gm, pipeline="compile")
+    assert dict(ctx.reports)["gather_expert_rows"] == {"gathered": []}
+    assert moe_nodes(gm, "experts") and not moe_nodes(gm, "experts_gathered")
 
 
 def test_pass_leaves_training_graphs_alone():
@@ -151,17 +164,19 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("case", ["random", "capacity_overflow", "one_expert_takes_all"])
-def test_eager_inference_gathers_and_training_copies(case):
-    """An MoE module's eager forward without gradients runs experts_gathered over an uncopied dispatch; with
-    gradients, the copied rows and experts_combine_train; both give the per-token loop's output."""
+@pytest.mark.parametrize("case", ["batch", "random"])
+def test_eager_inference_gathers_batches_and_training_copies(case):
+    """An MoE module's eager forward without gradients runs experts_gathered over an uncopied dispatch at a batch,
+    and the copied rows below; with gradients, the copied rows and experts_combine_train; all give the per-token
+    loop's output."""
     hid, router, k, cf, (w_in, b_in, w_out, b_out) = _case(case, True, True)
     weights, ids = OPS.route(hid @ router.t(), k, cf, True)
     want = _per_token(hid, weights, ids, w_in, b_in, w_out, b_out, True)
     args = (ids, router.shape[0], w_in, b_in, w_out, b_out, "silu", True)
     with torch.no_grad(), _Ops() as seen:
         got = ops.dispatch_ffn_combine(hid, weights, *args)
-    assert seen.names == ["dispatch", "experts_gathered", "combine"]
+    gathered = case == "batch"
+    assert seen.names == ["dispatch", "experts_gathered" if gathered else "experts", "combine"]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     w_in.requires_grad_(True)
     with _Ops() as seen:

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from moecompile.core.errors import MoECompileError
+from moecompile.runtime import choices
 from moecompile.runtime.registry import INTERLEAVED, KEPT_H, Kernel, kernel_entry, kernel_for
 
 
@@ -383,15 +384,24 @@ def expert_ffn_combine(x: Tensor, offsets: Tensor, order: Tensor, weights: Tenso
                    order, weights)
 
 
+def gathers_rows(assignments, num_experts: int) -> bool:
+    """Whether the experts read their rows from the tokens (experts_gathered) rather than from dispatch's copy: for
+    batches (a symbolic count: a dynamic prefill), where the first projection may gather them itself; below, the
+    copy is part of dispatch's one-launch kernels, and gathering would be one launch more."""
+    return not isinstance(assignments, int) or choices.is_batch(assignments, num_experts)
+
+
 def dispatch_ffn_combine(x: Tensor, weights: Tensor, expert_ids: Tensor, num_experts: int, w_in: Tensor,
                          b_in: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], activation: str, gated: bool,
                          interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
-    """dispatch, the experts, combine: what the MoE modules call. In eager inference the experts gather their rows
-    from x (experts_gathered: dispatch writes no row copy), as gather_expert_rows makes a compiled graph run; else
+    """dispatch, the experts, combine: what the MoE modules call. In eager inference of a batch (gathers_rows) the
+    experts gather their rows from x (experts_gathered: dispatch writes no row copy), as gather_expert_rows makes a
+    compiled graph run; else
     expert_ffn_combine over dispatch's rows (captured graphs get those ops, for the passes to rewrite)."""
     glu = glu_args(activation, interleaved, alpha, limit)
     needs_grad = any(t is not None and t.requires_grad for t in (x, weights, w_in, b_in, w_out, b_out))
-    if not (glu or torch.compiler.is_compiling() or (torch.is_grad_enabled() and needs_grad)):
+    if not (glu or torch.compiler.is_compiling() or (torch.is_grad_enabled() and needs_grad)
+            or not gathers_rows(expert_ids.numel(), num_experts)):
         _, order, offsets = dispatch(x, expert_ids, num_experts, copy_rows=False)
         return combine(experts_gathered(x, order, offsets, expert_ids.shape[-1], w_in, b_in, w_out, b_out, activation,
                                         gated), order, weights)
