@@ -98,6 +98,16 @@ def test_ops_opcheck():
                                                          True), test_utils=("test_schema", "test_faketensor"))
 
 
+def test_uncopied_dispatch_refuses_a_backward():
+    hid, router, k, cf, _ = _case("random", True, False)
+    hid.requires_grad_(True)
+    _, ids = OPS.route(hid.detach() @ router.t(), k, cf, True)
+    rows, _, _ = OPS.dispatch(hid, ids, router.shape[0], False)
+    assert rows.shape == (0, hid.shape[1])
+    with pytest.raises(MoECompileError, match="dispatch without copy_rows is inference-only"):
+        rows.sum().backward()
+
+
 def test_gathered_experts_have_no_backward():
     hid, router, k, cf, (w_in, b_in, w_out, b_out) = _case("random", True, False)
     w_in.requires_grad_(True)
