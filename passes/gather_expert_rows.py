@@ -27,7 +27,7 @@ ROWS, ORDER, OFFSETS = 2, 3, 4  # route_dispatch's outputs
 
 
 def _rows_source(experts: fx.Node) -> fx.Node | None:
-    """The route_dispatch whose rows this experts node reads and nothing else does, with its offsets."""
+    """The route_dispatch whose rows (read by nothing else) and offsets this experts node reads."""
     rows, offsets = arg(experts, "x"), arg(experts, "offsets")
     if not (rows.op == "call_function" and rows.target is operator.getitem and rows.args[1] == ROWS):
         return None
@@ -62,7 +62,6 @@ def gather_expert_rows(gm: fx.GraphModule, ctx) -> dict:
         rows, offsets = value(kw["x"]), value(kw["offsets"])  # [T * k, H], [E]
         if rows is not None and offsets is not None and not gathers_rows(rows.shape[0], offsets.shape[0]):
             continue
-        rows = kw["x"]
         order = _order(gm.graph, route_dispatch)
         with gm.graph.inserting_before(node):
             new = call_op(gm.graph, EXPERTS_GATHERED, meta=block_meta(node), hidden=arg(route_dispatch, "hidden"),
@@ -72,7 +71,7 @@ def gather_expert_rows(gm: fx.GraphModule, ctx) -> dict:
         new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "example_value")})
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        gm.graph.erase_node(rows)
+        gm.graph.erase_node(kw["x"])  # the rows' getitem: its one reader is gone
         set_arg(route_dispatch, "copy_rows", False)
         gathered.append(node.meta.get("moecompile_block", node.name))
     return {"gathered": gathered}
