@@ -37,11 +37,21 @@ def row_scales(s_ptr, rows, rmask, k_blocks: tl.constexpr, k0):
 
 
 @triton.jit
-def weight_tile(w, s_ptr, rows, rmask, k_blocks: tl.constexpr, k0, SCALED: tl.constexpr):
-    """A loaded weight tile in float32: times its rows' block scales when the weights are FP8 (SCALED)."""
+def weight_tile(w, s_ptr, rows, rmask, k_blocks: tl.constexpr, k0, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """A loaded weight tile [BLOCK_N, BLOCK_K] in float32: times its rows' block scales when the weights are FP8
+    (SCALED). A tile within one 128-channel block (BLOCK_K dividing 128) takes one scale per row; a wider one
+    (BLOCK_K a multiple of 128) one per row and block, so that a K step can load more than 128 bytes per row."""
     w = w.to(tl.float32)
     if SCALED:
-        w = w * row_scales(s_ptr, rows, rmask, k_blocks, k0)[:, None]
+        if BLOCK_K <= 128:
+            w = w * row_scales(s_ptr, rows, rmask, k_blocks, k0)[:, None]
+        else:
+            SUB: tl.constexpr = BLOCK_K // 128
+            blocks = k0 // 128 + tl.arange(0, SUB)
+            s = tl.load(s_ptr + (rows // 128).to(tl.int64)[:, None] * k_blocks + blocks[None, :],
+                        mask=rmask[:, None] & (blocks < k_blocks)[None, :], other=0.0)
+            w = tl.reshape(tl.reshape(w, (BLOCK_N, SUB, 128)) * s[:, :, None], (BLOCK_N, BLOCK_K))
     return w
 
 
@@ -69,11 +79,11 @@ def _direct_ffn_in_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, assig
             xk = tl.load(x_row + ks, mask=ks < hidden, other=0.0).to(tl.float32)[None, :]
             wmask = cmask[:, None] & (ks < hidden)[None, :]
             w = tl.load(w_base + cols[:, None].to(tl.int64) * hidden + ks[None, :], mask=wmask, other=0.0)
-            acc += weight_tile(w, s_base, cols, cmask, k_blocks, k0, SCALED) * xk
+            acc += weight_tile(w, s_base, cols, cmask, k_blocks, k0, SCALED, BLOCK_N, BLOCK_K) * xk
             if GATED:
                 up = width + cols
                 wu = tl.load(w_base + up[:, None].to(tl.int64) * hidden + ks[None, :], mask=wmask, other=0.0)
-                acc_up += weight_tile(wu, s_base, up, cmask, k_blocks, k0, SCALED) * xk
+                acc_up += weight_tile(wu, s_base, up, cmask, k_blocks, k0, SCALED, BLOCK_N, BLOCK_K) * xk
         out = _bias_activation(tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :], bias_ptr, expert,
                                cols, cmask, width, HAS_BIAS, GATED, ACT)
         tl.store(out_ptr + a.to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
@@ -106,7 +116,7 @@ def _direct_ffn_out_kernel(a_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, 
         ak = tl.load(a_ptr + a.to(tl.int64) * width + ks, mask=kmask, other=0.0).to(tl.float32)
         w = tl.load(w_base + cols[:, None].to(tl.int64) * width + ks[None, :], mask=cmask[:, None] & kmask[None, :],
                     other=0.0)
-        acc += weight_tile(w, s_base, cols, kept_cols, k_blocks, k0, SCALED) * ak[None, :]
+        acc += weight_tile(w, s_base, cols, kept_cols, k_blocks, k0, SCALED, BLOCK_N, BLOCK_K) * ak[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + expert.to(tl.int64) * hidden + cols, mask=kept_cols, other=0.0).to(tl.float32)

@@ -5,13 +5,14 @@ which holds every e4m3 value exactly, scaled in float32 after each K step).
 
 - routed_experts_fp8: kernels/triton_direct.py's direct experts (one program per (assignment, column tile), no
   dispatch, the routing weight applied in the second projection's epilogue) over FP8 expert weights (its kernels'
-  SCALED form, with tiles of at most 128 channels of K).
+  SCALED form).
 - linear_fp8: y = x W^T + b for a few rows (decode), one program per (row tile, column tile, K split); one row is a
   matrix-vector product, more rows a tensor-core dot over a row tile padded to 16. Splitting K fills the GPU where
   the column tiles alone are too few programs (how many splits: the runtime's choice).
 
-The K loop steps by at most 128 channels and 128 is a multiple of the step, so each step lies in one scale block:
-its scales are one float32 per output row of the tile.
+A K step of at most 128 channels (dividing 128) lies in one scale block: its scales are one float32 per output row
+of the tile. The matrix-vector forms also step by whole blocks (256, 512 channels: more bytes per load), scaling each
+block of the tile by its own; the dot form scales its product once per step, so it steps within a block.
 """
 import torch
 import triton
@@ -24,10 +25,11 @@ BLOCK = 128  # the weights' scale block edge
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activation dtypes these kernels take
 
 
-def _matvec_configs():
+def _matvec_configs():  # K steps of up to 128 channels (one scale per row) or of 256 / 512 (one per row and block)
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
             for bn, bk, w, s in ((8, 128, 2, 4), (16, 128, 4, 4), (32, 128, 4, 4), (16, 64, 2, 5), (32, 64, 4, 4),
-                                 (64, 128, 4, 3), (64, 64, 4, 4))]
+                                 (64, 128, 4, 3), (64, 64, 4, 4), (8, 256, 2, 4), (16, 256, 4, 4), (32, 256, 4, 3),
+                                 (8, 512, 4, 3), (16, 512, 4, 3))]
 
 
 def _dot_configs():
@@ -43,10 +45,13 @@ _fp8_direct_out_tuned = triton.autotune(configs=_matvec_configs(), key=["hidden"
     triton_direct._direct_ffn_out_kernel)
 
 
-def _check_config(config: dict | None) -> None:
+def _check_config(config: dict | None, dot: bool = False) -> None:
+    """A K step lies in one scale block (BLOCK_K divides 128) or covers whole ones (a multiple of 128: not the dot
+    form, which scales its product once per step)."""
     for tiles in (config or {}).values():
-        if BLOCK % tiles["BLOCK_K"]:
-            raise ValueError(f"BLOCK_K must divide {BLOCK} (one scale block per K step), got {tiles['BLOCK_K']}")
+        k = tiles["BLOCK_K"]
+        if BLOCK % k and (dot or k % BLOCK):
+            raise ValueError(f"BLOCK_K must divide {BLOCK}{'' if dot else ' or be a multiple of it'}, got {k}")
 
 
 def routed_experts_fp8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_in: torch.Tensor,
@@ -55,7 +60,7 @@ def routed_experts_fp8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     """[tokens, k, hidden] float32: each assignment's expert FFN output times its routing weight, the expert
     weights float8_e4m3fn w_in [E, (2)F, H], w_out [E, H, F] with scale_inv [E, ceil(rows/128), ceil(cols/128)].
     x [T, H] in DTYPES, weights / ids [T, k]. `config` fixes both kernels' tiles ({"in": {BLOCK_N, BLOCK_K},
-    "out": {...}}, BLOCK_K dividing 128); otherwise each is autotuned per shape."""
+    "out": {...}}, BLOCK_K dividing 128 or a multiple of it); otherwise each is autotuned per shape."""
     _check_config(config)
     return triton_direct.launch(x, weights, ids, w_in, b_in, w_out, b_out, activation, gated, config,
                                 scales=(w_in_scale_inv, w_out_scale_inv),
@@ -89,10 +94,11 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rows, n: tl.const
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_ptr + row * k + ks, mask=ks < k, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * k + ks[None, :], mask=cmask[:, None] & (ks < k)[None, :],
+            kmask = (ks < k) & (ks < k_start + K_SPLIT)  # a step wider than the split stops at its end
+            xk = tl.load(x_ptr + row * k + ks, mask=kmask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * k + ks[None, :], mask=cmask[:, None] & kmask[None, :],
                         other=0.0)
-            acc += weight_tile(w, s_ptr, cols, cmask, k_blocks, k0, True) * xk[None, :]
+            acc += weight_tile(w, s_ptr, cols, cmask, k_blocks, k0, True, BLOCK_N, BLOCK_K) * xk[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS and not PARTIAL:
             y += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -146,8 +152,8 @@ def linear_fp8(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, bias
     """x [M, K] (a few rows, DTYPES) times float8_e4m3fn w [N, K] with scale_inv [ceil(N/128), ceil(K/128)] -> [M, N]
     in x's dtype, K cut into `splits` runs of whole scale blocks (as many as fit: fewer when K has fewer blocks), each
     its own programs, their float32 partial sums then added in split order. `config` ({BLOCK_N, BLOCK_K}, BLOCK_K
-    dividing 128) fixes the tiles; otherwise autotuned."""
-    _check_config({"": config} if config else None)
+    dividing 128, or for one row a multiple of it) fixes the tiles; otherwise autotuned."""
+    _check_config({"": config} if config else None, dot=row_tile(x.shape[0]) > 1)
     rows, k = x.shape
     n = w.shape[0]
     out = x.new_empty(rows, n)

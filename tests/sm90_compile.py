@@ -100,19 +100,29 @@ def cases():
         yield (triton_direct._direct_ffn_in_kernel, label, direct,
                dict(hidden=2048, width=768, HAS_BIAS=bias, GATED=gated, ACT=act, SCALED=False, BLOCK_N=16,
                     BLOCK_K=256), dict(num_warps=4, num_stages=4))
-    yield (triton_direct._direct_ffn_in_kernel, "swiglu, FP8 weights", fp8_direct,
-           dict(hidden=2048, width=768, HAS_BIAS=False, GATED=True, ACT=3, SCALED=True, BLOCK_N=16, BLOCK_K=128),
-           dict(num_warps=4, num_stages=4))
-    for bias, scaled, types in ((False, False, direct), (True, False, direct), (False, True, fp8_direct)):
-        yield (triton_direct._direct_ffn_out_kernel, ("bias" if bias else "no bias") + (", FP8" if scaled else ""),
+    for block_k in (128, 256):  # FP8 K steps within a scale block, and over two blocks
+        yield (triton_direct._direct_ffn_in_kernel, f"swiglu, FP8 weights, K step {block_k}", fp8_direct,
+               dict(hidden=2048, width=768, HAS_BIAS=False, GATED=True, ACT=3, SCALED=True, BLOCK_N=16,
+                    BLOCK_K=block_k), dict(num_warps=4, num_stages=4))
+    for bias, scaled, block_k, types in ((False, False, 256, direct), (True, False, 256, direct),
+                                         (False, True, 128, fp8_direct), (False, True, 512, fp8_direct)):
+        yield (triton_direct._direct_ffn_out_kernel,
+               ("bias" if bias else "no bias") + (f", FP8, K step {block_k}" if scaled else ""),
                {**types, "a_ptr": BF16, "weights_ptr": "*fp32", "out_ptr": "*fp32"},  # float32 terms
-               dict(hidden=2048, width=768, HAS_BIAS=bias, SCALED=scaled, BLOCK_N=8, BLOCK_K=256 >> scaled),
+               dict(hidden=2048, width=768, HAS_BIAS=bias, SCALED=scaled, BLOCK_N=8, BLOCK_K=block_k),
                dict(num_warps=2, num_stages=4))
     linear = {"x_ptr": BF16, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": BF16, "out_ptr": BF16}
-    for block_m, label in ((1, "one row (matrix-vector)"), (16, "16 rows (dot)")):
-        yield (triton_fp8_decode._fp8_linear_kernel, label, linear,
+    for block_m, block_k, k_split, label in ((1, 128, 2048, "one row (matrix-vector)"),
+                                             (1, 128, 256, "one row, K split in 8"),
+                                             (1, 256, 512, "one row, K split in 4, K step 256"),
+                                             (16, 128, 2048, "16 rows (dot)"), (16, 128, 512, "16 rows, K split in 4")):
+        partial = {"out_ptr": "*fp32"} if k_split < 2048 else {}  # split: float32 partial sums
+        yield (triton_fp8_decode._fp8_linear_kernel, label, {**linear, **partial},
                dict(n=5120, k=2048, HAS_BIAS=True, BLOCK_M=block_m, BLOCK_N=32 if block_m == 1 else 64,
-                    BLOCK_K=128), dict(num_warps=4, num_stages=4))
+                    BLOCK_K=block_k, K_SPLIT=k_split), dict(num_warps=4, num_stages=4))
+    yield (triton_fp8_decode._sum_splits_kernel, "4 splits + bias", {"partial_ptr": "*fp32", "bias_ptr": BF16,
+                                                                      "out_ptr": BF16},
+           dict(SPLITS=4, HAS_BIAS=True, BLOCK=1024), {})
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ CASES = {**DIRECT_CASES,  # name: (tokens, experts, top_k, hidden, width, capaci
          "several scale blocks (up rows across a block edge)": (2, 4, 2, 200, 136, -1.0, None)}
 
 
+WIDE_TILES = {"in": {"BLOCK_N": 16, "BLOCK_K": 256}, "out": {"BLOCK_N": 8, "BLOCK_K": 512}}  # several blocks a step
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("gated, activation, bias", [(True, "silu", False), (False, "gelu", True)])
 def test_fp8_direct_experts_match_dequantised_float32(case, gated, activation, bias):
@@ -55,6 +58,8 @@ def test_fp8_direct_experts_match_dequantised_float32(case, gated, activation, b
     want = R.routed_experts(x, weights, ids, *_dequantised(*quantised), activation, gated)
     got = triton_fp8_decode.routed_experts_fp8(x, weights, ids, *quantised, activation, gated, config=TILES)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    wide = triton_fp8_decode.routed_experts_fp8(x, weights, ids, *quantised, activation, gated, config=WIDE_TILES)
+    torch.testing.assert_close(wide, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(R.routed_experts_fp8(x, weights, ids, *quantised, activation, gated), want,
                                rtol=1e-5, atol=1e-5)
     # FP8 weights alone (activations unquantised) stay near the unquantised FFN: e4m3 rounds each weight by <= 6%,
@@ -81,10 +86,13 @@ def test_fp8_direct_experts_empty_batch_and_tile_check():
                                                torch.zeros(0, 2, dtype=torch.long), *quantised, "silu", True,
                                                config=TILES)
     assert out.shape == (0, 2, 8) and out.dtype == torch.float32
-    with pytest.raises(ValueError, match="BLOCK_K must divide 128"):
+    with pytest.raises(ValueError, match="BLOCK_K must divide 128 or be a multiple of it"):
         triton_fp8_decode.routed_experts_fp8(torch.zeros(1, 8), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.long),
                                              *quantised, "silu", True,
-                                             config={"in": {"BLOCK_N": 8, "BLOCK_K": 256}, "out": TILES["out"]})
+                                             config={"in": {"BLOCK_N": 8, "BLOCK_K": 192}, "out": TILES["out"]})
+    with pytest.raises(ValueError, match="BLOCK_K must divide 128, got 256"):  # the dot form: within a block
+        triton_fp8_decode.linear_fp8(torch.zeros(3, 8), quantised[0][0], quantised[1][0], None,
+                                     config={"BLOCK_N": 16, "BLOCK_K": 256})
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])
@@ -101,6 +109,9 @@ def test_fp8_linear_matches_dequantised_float32(rows, bias, splits):
     x = torch.randn(rows, 300, generator=gen)
     want = torch.nn.functional.linear(x, fp8.dequantize_blocks(q, s), b)
     got = triton_fp8_decode.linear_fp8(x, q, s, b, config={"BLOCK_N": 32, "BLOCK_K": 64}, splits=splits)
+    if rows == 1:  # the matrix-vector form also steps over whole blocks, wider than a split of one block
+        wide = triton_fp8_decode.linear_fp8(x, q, s, b, config={"BLOCK_N": 16, "BLOCK_K": 256}, splits=splits)
+        torch.testing.assert_close(wide, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(R.linear_fp8(x, q, s, b), want, rtol=1e-5, atol=1e-5)
     exact = torch.nn.functional.linear(x, w, b)
