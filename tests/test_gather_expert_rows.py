@@ -193,3 +193,19 @@ def test_eager_inference_gathers_batches_and_training_copies(case):
         trained = ops.dispatch_ffn_combine(hid, weights, *args)
     assert seen.names == ["dispatch", "experts_combine_train"]
     torch.testing.assert_close(trained.detach(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_captured_graphs_keep_the_ops_the_passes_rewrite():
+    """torch.export (non-strict) and Dynamo capture a batch's MoE block as dispatch -> experts -> combine, not the
+    eager path's gathered form: the graph pipelines decide that (gather_expert_rows), and ONNX export translates
+    those ops."""
+    from moecompile import MoEBlock, MoEConfig
+
+    block = MoEBlock(MoEConfig(hidden_size=16, expert_size=8, num_experts=4, top_k=2, gated=True,
+                               capacity_factor=0.0)).eval()
+    x = torch.randn(512, 16)  # 256 rows per expert: a batch
+    with torch.no_grad():
+        exported = torch.export.export(block, (x,), strict=False).graph_module
+        ((captured, _),) = dynamo_graphs(block, x)
+    for gm in (exported, captured):
+        assert moe_nodes(gm, "experts") and not moe_nodes(gm, "experts_gathered")
