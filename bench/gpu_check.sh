@@ -32,6 +32,9 @@ fi
   2>&1 || { tail -5 "$out/install.log"; exit 1; }
 touch $installed
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+# the device's copy of .git may lag its working tree: say so, since a results header then names an older commit
+git diff --quiet HEAD 2> /dev/null || echo "note: the working tree differs from HEAD $(git rev-parse --short HEAD):" \
+  "pass --commit <hash> from the machine that sent it"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 case "$what" in
   tests) python3 -m pytest -q -m gpu "${@:-tests}" -p no:cacheprovider --durations=10 2>&1 | tee "$out/gpu-tests$tag.log" ;;
