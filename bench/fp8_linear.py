@@ -109,16 +109,6 @@ def run_shape(name: str, n: int, k: int, rows_list, sweep, device: str, bandwidt
     return lines
 
 
-def copy_bandwidth(device: str) -> float:
-    if device != "cuda":
-        return float("nan")
-    import triton.testing
-
-    src = torch.empty(2 ** 31, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1e3)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="write the markdown table here (after every shape)")
@@ -136,7 +126,10 @@ def main(argv=None) -> int:
         shapes = {name: shapes[name] for name in args.shapes.split(",")}
     rows_list = [int(r) for r in args.rows.split(",")] if args.rows else ((1, 3) if args.tiny else ROWS)
     sweep = (1, 2) if args.tiny else SWEEP
-    bandwidth = copy_bandwidth(device)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import moe_layer  # this folder's shared helpers (imported after TRITON_INTERPRET is decided)
+
+    bandwidth = moe_layer.copy_bandwidth() if device == "cuda" else float("nan")
     card = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
     header = [
         "# FP8 linear at decode's few rows", "",
