@@ -260,6 +260,13 @@ experts.register_autograd(_experts_backward, setup_context=_experts_setup)
 experts_train.register_autograd(_experts_backward, setup_context=_experts_setup)
 
 
+def _eager_autograd(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd records this call for a backward: grad mode on, an input needing grad, and no graph being
+    captured (captured graphs get the inference ops, which the compile pipeline rewrites for training itself)."""
+    return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and any(t is not None and t.requires_grad for t in tensors))
+
+
 def expert_ffn(x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor], w_out: Tensor,
                b_out: Optional[Tensor], activation: str, gated: bool, interleaved: bool = False, alpha: float = 1.702,
                limit: float = 7.0) -> Tensor:
@@ -268,8 +275,7 @@ def expert_ffn(x: Tensor, offsets: Tensor, w_in: Tensor, b_in: Optional[Tensor],
     gives them back). Captured graphs (export, Dynamo) get experts(), the node the passes rewrite (in training graphs
     the compile pipeline's keep_first_projection then makes it experts_train). What the MoE modules call."""
     args = (x, offsets, w_in, b_in, w_out, b_out, activation, gated, interleaved, alpha, limit)
-    needs_grad = any(t is not None and t.requires_grad for t in (x, w_in, b_in, w_out, b_out))
-    if torch.is_grad_enabled() and needs_grad and not torch.compiler.is_compiling():
+    if _eager_autograd(x, w_in, b_in, w_out, b_out):
         return experts_train(*args)[0]
     return experts(*args)
 
@@ -377,8 +383,7 @@ def expert_ffn_combine(x: Tensor, offsets: Tensor, order: Tensor, weights: Tenso
     activation arguments excepted), whose backward a device may fuse; else the two ops, as captured graphs get them
     (the compile pipeline's keep_first_projection makes the same rewrite there). What the MoE modules call."""
     glu = glu_args(activation, interleaved, alpha, limit)
-    needs_grad = any(t is not None and t.requires_grad for t in (x, weights, w_in, b_in, w_out, b_out))
-    if torch.is_grad_enabled() and needs_grad and not torch.compiler.is_compiling() and not glu:
+    if _eager_autograd(x, weights, w_in, b_in, w_out, b_out) and not glu:
         return experts_combine_train(x, offsets, order, weights, w_in, b_in, w_out, b_out, activation, gated)[0]
     return combine(expert_ffn(x, offsets, w_in, b_in, w_out, b_out, activation, gated, interleaved, alpha, limit),
                    order, weights)
@@ -396,12 +401,11 @@ def dispatch_ffn_combine(x: Tensor, weights: Tensor, expert_ids: Tensor, num_exp
                          interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
     """dispatch, the experts, combine: what the MoE modules call. In eager inference of a batch (gathers_rows) the
     experts gather their rows from x (experts_gathered: dispatch writes no row copy), as gather_expert_rows makes a
-    compiled graph run; else
-    expert_ffn_combine over dispatch's rows (captured graphs get those ops, for the passes to rewrite)."""
-    glu = glu_args(activation, interleaved, alpha, limit)
-    needs_grad = any(t is not None and t.requires_grad for t in (x, weights, w_in, b_in, w_out, b_out))
-    if not (glu or torch.compiler.is_compiling() or (torch.is_grad_enabled() and needs_grad)
-            or not gathers_rows(expert_ids.numel(), num_experts)):
+    compiled graph run; else expert_ffn_combine over dispatch's rows (captured graphs get those ops, for the passes
+    to rewrite)."""
+    if (not glu_args(activation, interleaved, alpha, limit) and not torch.compiler.is_compiling()
+            and not _eager_autograd(x, weights, w_in, b_in, w_out, b_out)
+            and gathers_rows(expert_ids.numel(), num_experts)):
         _, order, offsets = dispatch(x, expert_ids, num_experts, copy_rows=False)
         return combine(experts_gathered(x, order, offsets, expert_ids.shape[-1], w_in, b_in, w_out, b_out, activation,
                                         gated), order, weights)
