@@ -18,6 +18,7 @@ from moecompile.passes.nodes import (
     call_op,
     cast_dtype,
     defaults,
+    getitems,
     kind,
     moe_op,
     op_args,
@@ -33,10 +34,6 @@ ROUTE_DISPATCH = torch.ops.moecompile.route_dispatch.default
 def _routing_args(route: fx.Node) -> dict:
     """route's or route_grouped's arguments after the logits; a plain route's rest are route_grouped's defaults."""
     return {**defaults(ROUTE_GROUPED), **{k: v for k, v in op_args(route).items() if k != "router_logits"}}
-
-
-def _getitems(node: fx.Node) -> dict[int, fx.Node]:
-    return {u.args[1]: u for u in node.users if u.op == "call_function" and u.target is operator.getitem}
 
 
 def _match(dispatch: fx.Node):
@@ -106,11 +103,11 @@ def fuse_route_dispatch(gm: fx.GraphModule, ctx) -> dict:
             node = call_op(graph, ROUTE_DISPATCH, meta, hidden=arg(dispatch, "hidden"), router_weight=weight,
                            router_bias=bias, **r, logits_fp32=logits_fp32)
             new = outputs(graph, node, 5, meta=meta)
-        for i, old in _getitems(route).items():
+        for i, old in getitems(route).items():
             old.replace_all_uses_with(new[i])
-        for i, old in _getitems(dispatch).items():
+        for i, old in getitems(dispatch).items():
             old.replace_all_uses_with(new[2 + i])
-        for old in list(_getitems(dispatch).values()) + [dispatch] + list(_getitems(route).values()) + [route]:
+        for old in list(getitems(dispatch).values()) + [dispatch] + list(getitems(route).values()) + [route]:
             graph.erase_node(old)
         for getitem in new:
             if not getitem.users:

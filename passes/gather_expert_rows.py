@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from moecompile.ir.ops import gathers_rows, glu_args
-from moecompile.passes.nodes import arg, block_meta, call_op, moe_op, op_args, set_arg, value
+from moecompile.passes.nodes import arg, block_meta, call_op, getitems, kind, moe_op, op_args, set_arg, value
 
 EXPERTS_GATHERED = torch.ops.moecompile.experts_gathered.default
 ROWS, ORDER, OFFSETS = 2, 3, 4  # route_dispatch's outputs
@@ -28,24 +28,21 @@ ROWS, ORDER, OFFSETS = 2, 3, 4  # route_dispatch's outputs
 
 def _rows_source(experts: fx.Node) -> fx.Node | None:
     """The route_dispatch whose rows (read by nothing else) and offsets this experts node reads."""
-    rows, offsets = arg(experts, "x"), arg(experts, "offsets")
-    if not (rows.op == "call_function" and rows.target is operator.getitem and rows.args[1] == ROWS):
+    rows = arg(experts, "x")
+    if not (kind(rows) == "getitem" and rows.args[1] == ROWS and len(rows.users) == 1):
         return None
-    route_dispatch = rows.args[0]  # (getitem's tuple)
-    if moe_op(route_dispatch) != "route_dispatch" or len(rows.users) != 1:
-        return None
-    if not (offsets.op == "call_function" and offsets.target is operator.getitem and offsets.args[0] is route_dispatch
-            and offsets.args[1] == OFFSETS):
+    route_dispatch, offsets = rows.args[0], arg(experts, "offsets")  # (getitem's tuple)
+    if moe_op(route_dispatch) != "route_dispatch" or getitems(route_dispatch).get(OFFSETS) is not offsets:
         return None
     return route_dispatch
 
 
 def _order(graph: fx.Graph, route_dispatch: fx.Node) -> fx.Node:
-    for user in route_dispatch.users:
-        if user.target is operator.getitem and user.args[1] == ORDER:
-            return user
-    with graph.inserting_after(route_dispatch):
-        return graph.call_function(operator.getitem, (route_dispatch, ORDER))
+    order = getitems(route_dispatch).get(ORDER)
+    if order is None:
+        with graph.inserting_after(route_dispatch):
+            order = graph.call_function(operator.getitem, (route_dispatch, ORDER))
+    return order
 
 
 def gather_expert_rows(gm: fx.GraphModule, ctx) -> dict:

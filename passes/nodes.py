@@ -183,6 +183,11 @@ def set_arg(node: fx.Node, name: str, new) -> None:
         node.update_kwarg(name, new)
 
 
+def getitems(node: fx.Node) -> dict[int, fx.Node]:
+    """The getitem nodes reading a tuple-returning node, by index."""
+    return {u.args[1]: u for u in node.users if u.op == "call_function" and u.target is operator.getitem}
+
+
 def op_args(node: fx.Node) -> dict:
     """Every argument of an op node by name, defaults filled in."""
     return {name: arg(node, name) for name, _, _ in _parameters(node)}
