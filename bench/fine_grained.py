@@ -9,8 +9,10 @@ Every layer is SwiGLU, bf16, dropless, renormalised softmax top-k, the same weig
 - GEMMs <kernel>: the two expert GEMMs alone on the layer's real routing (rows already in expert order).
 - ours <first>+<second>: the whole moecompile layer (MoEBlock: router, top-k, dispatch, GEMMs, combine) with
   those expert GEMM kernels, from a CUDA graph; and eager (as SonicMoE runs).
-- ours gathered quack (--gathered): route + a rank-only dispatch (no row copy) + QuACK's first projection gathering
-  its rows from the token matrix + QuACK's second + moecompile's combine, from a CUDA graph.
+- ours quack / quack gathered: the layer on QuACK, its first projection on rows copied in expert order / gathering
+  them from the token matrix through the dispatch order (MOECOMPILE_FFN_IN=quack_gathered).
+- ours gathered interleaved quack (--gathered): route + a rank-only dispatch + QuACK's gathered first projection on
+  SonicMoE's interleaved gate / up rows + QuACK's second + moecompile's combine, from a CUDA graph.
 - SonicMoE: its MoE module (CuTe DSL through QuACK), eager, inference mode; fwd+bwd in training mode.
 - vLLM: its fused_moe Triton kernel (bench/peers/vllm_fused_moe.py; carry .peers/), GEMMs alone and layer.
 Training (forward + backward), eager: ours (MoEBlock autograd; the runtime's choice, QuACK forced, torch._grouped_mm
@@ -46,6 +48,8 @@ SHAPES = {  # name: (d, f, E, k, tokens), in the order a run cut short should ke
     "gpt2-upcycled": (768, 3072, 16, 2, 16384),
 }
 GEMM_KERNELS = ("triton_persistent", "grouped_mm", "quack")
+# our layer's variants: (first, second projection) kernels as runtime/choices.py's FFN_IN / FFN_OUT name them
+OUR_VARIANTS = {"auto": ("auto", "auto"), "quack": ("quack", "quack"), "quack gathered": ("quack_gathered", "quack")}
 TRAIN_SHAPES = ("qwen3-moe", "mixtral")  # the issue's training targets
 WITH_SONIC = True  # --no-sonic: its autotuning compiles for minutes per shape
 PROFILE = False  # --profile: a kernel breakdown of our layer per shape
@@ -112,18 +116,16 @@ def gemm_times(ours, x2, ids, notes):
     return times
 
 
-def gathered_layer(ours, x2, k, interleaved):
-    """The layer with QuACK's first projection gathering rows (no dispatch copy), as a function of nothing;
-    interleaved: W_in's gate and up rows alternating (SonicMoE's layout, converted once here) instead of gate rows
-    first."""
+def gathered_layer(ours, x2, k):
+    """The layer with QuACK's first projection gathering rows (no dispatch copy) from W_in's gate and up rows
+    alternating (SonicMoE's layout, converted once here) instead of gate rows first, as a function of nothing."""
     from moecompile.kernels import quack_gemm, triton_moe, triton_routing
     from moecompile.runtime import choices
 
     w_in, w_out, e = ours.experts.w_in, ours.experts.w_out, ours.config.num_experts
     first = choices.quack_config("first", w_in.shape[2], w_in.shape[1], gathered=True)
     second = choices.quack_config("second", w_out.shape[2], w_out.shape[1])
-    if interleaved:
-        w_in = torch.stack(w_in.chunk(2, dim=1), dim=2).flatten(1, 2)
+    w_in = torch.stack(w_in.chunk(2, dim=1), dim=2).flatten(1, 2)
 
     def layer():
         logits = ours.router_logits(x2)  # as the layer computes them (float32 out of tensor cores)
@@ -131,16 +133,15 @@ def gathered_layer(ours, x2, k, interleaved):
         _, order, offsets = triton_routing.dispatch(x2, ids, e, copy_rows=False)
         cu = quack_gemm.group_starts(offsets)
         a = quack_gemm.first_projection(x2, cu, w_in, None, "silu", True,
-                                        gather_rows=(order // k).to(torch.int32), interleaved=interleaved,
-                                        config=first)
+                                        gather_rows=(order // k).to(torch.int32), interleaved=True, config=first)
         return triton_moe.combine(quack_gemm.second_projection(a, cu, w_out, None, config=second), order, weights)
 
     return layer
 
 
-def gathered_quack(ours, x2, k, interleaved):
+def gathered_quack(ours, x2, k):
     """(ms, output) of gathered_layer."""
-    layer = gathered_layer(ours, x2, k, interleaved)
+    layer = gathered_layer(ours, x2, k)
     out = layer()
     return graph_bench(layer), out
 
@@ -198,23 +199,19 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
         r["bare"] = moe_layer.bare_grouped_gemms(d, f, e, k, tokens)
         r.update({f"gemms {kk}": v for kk, v in gemm_times(ours, x2, ids, notes).items()})
         errs = {}
-        for kernel in ("auto", "quack"):
-            choices.FFN_IN = choices.FFN_OUT = kernel
-            errs[kernel] = attempt(f"ours {kernel}", lambda: moe_layer.rel(ours(x).reshape(x2.shape), ref), notes)
-            r[f"ours {kernel}"] = attempt(f"ours {kernel} graph", lambda: graph_bench(lambda: ours(x)), notes)
-        r["ours auto eager"] = attempt("ours auto eager", lambda: bench(lambda: ours(x)), notes)
+        for label, (first, second) in OUR_VARIANTS.items():
+            choices.FFN_IN, choices.FFN_OUT = first, second
+            errs[label] = attempt(f"ours {label}", lambda: moe_layer.rel(ours(x).reshape(x2.shape), ref), notes)
+            r[f"ours {label}"] = attempt(f"ours {label} graph", lambda: graph_bench(lambda: ours(x)), notes)
+            if PROFILE and label != "auto":  # where the layer's time goes beyond its two GEMMs: eager, every kernel
+                attempt(f"profile {label}", lambda: moe_layer.print_kernel_profile(f"{name} ours {label}",
+                                                                                  lambda: ours(x)), notes)
         choices.FFN_IN = choices.FFN_OUT = "auto"
-        for label, interleaved in (("gathered", False), ("gathered interleaved", True)) if gathered else ():
-            g = attempt(f"ours {label} quack", lambda: gathered_quack(ours, x2, k, interleaved), notes)
+        r["ours auto eager"] = attempt("ours auto eager", lambda: bench(lambda: ours(x)), notes)
+        if gathered:
+            g = attempt("ours gathered interleaved quack", lambda: gathered_quack(ours, x2, k), notes)
             if g is not None:
-                r[f"ours {label} quack"], errs[label] = g[0], moe_layer.rel(g[1], ref)
-        if PROFILE:  # where the layer's time goes beyond its two GEMMs: eager, so every kernel shows
-            choices.FFN_IN = choices.FFN_OUT = "quack"
-            attempt("profile", lambda: moe_layer.print_kernel_profile(f"{name} ours quack", lambda: ours(x)), notes)
-            choices.FFN_IN = choices.FFN_OUT = "auto"
-            if gathered:
-                attempt("profile gathered", lambda: moe_layer.print_kernel_profile(
-                    f"{name} ours gathered quack", gathered_layer(ours, x2, k, False)), notes)
+                r["ours gathered interleaved quack"], errs["gathered interleaved"] = g[0], moe_layer.rel(g[1], ref)
         sonic = attempt("SonicMoE build", lambda: sonic_module(ours, d, f, e, k), notes)
         if sonic is not None:
             sonic.eval()
@@ -235,7 +232,7 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
             if v is not None:
                 r["vllm gemms"], r["vllm layer"] = v
     flops = 6 * tokens * k * d * f
-    ours_best = min(t for t in (r.get("ours auto"), r.get("ours quack"), r.get("ours gathered quack"),
+    ours_best = min(t for t in (r.get("ours auto"), r.get("ours quack"), r.get("ours quack gathered"),
                                 r.get("ours gathered interleaved quack")) if t is not None)
     peers = {p: r.get(p) for p in ("sonic", "vllm gemms", "vllm layer")}
 
@@ -248,7 +245,7 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
     line = (f"| {name} | {d}, {f}, {e}, {k}, {tokens} | {fmt(r['dense'])} | {fmt(r['bare'])} ("
             f"{r['dense'] / r['bare'] * 100:.0f}%) | " +
             " | ".join(f"{fmt(r.get(f'gemms {kk}'))} ({share(r.get(f'gemms {kk}'))})" for kk in GEMM_KERNELS) +
-            f" | {fmt(r.get('ours auto'))} | {fmt(r.get('ours quack'))} | {fmt(r.get('ours gathered quack'))} | "
+            f" | {fmt(r.get('ours auto'))} | {fmt(r.get('ours quack'))} | {fmt(r.get('ours quack gathered'))} | "
             f"{fmt(r.get('ours gathered interleaved quack'))} | {fmt(r.get('ours auto eager'))}"
             f" | {fmt(peers['sonic'])} | {fmt(peers['vllm gemms'])} | {fmt(peers['vllm layer'])} | "
             f"{share(ours_best)} | " + ", ".join(f"{kk} {v:.1e}" for kk, v in errs.items() if v is not None) + " |")
@@ -300,11 +297,11 @@ def main(argv=None):
     p.add_argument("--vllm", action="store_true", help="vLLM's fused_moe as a peer (carry .peers/)")
     p.add_argument("--commit", default=None, help="the commit for the header where git is absent")
     p.add_argument("--gathered", action="store_true",
-                   help="also the layer with QuACK's first projection gathering token rows (as gather_expert_rows "
-                        "makes a compiled layer run)")
+                   help="also our layer with QuACK's gathered first projection on SonicMoE's interleaved gate / up "
+                        "rows")
     p.add_argument("--train-only", action="store_true", help="only the training rows (of every --shapes shape)")
     p.add_argument("--no-sonic", action="store_true", help="without SonicMoE")
-    p.add_argument("--profile", action="store_true", help="print a kernel breakdown of our layer (and gathered)")
+    p.add_argument("--profile", action="store_true", help="print a kernel breakdown of our quack layers")
     p.add_argument("--sonic-cache", default=None,
                    help="keep SonicMoE's autotuning results here, apart from other callers' (gpu_check.sh sets it)")
     a = p.parse_args(argv)
@@ -329,14 +326,15 @@ def main(argv=None):
         "Forward, bf16, dropless, median ms (triton do_bench). dense = torch.mm of the same FLOPs; bare = "
         "torch._grouped_mm on balanced groups; GEMMs = the two expert GEMMs alone on the real routing (TF/s and share "
         "of dense in brackets); ours = the whole moecompile layer from a CUDA graph with auto (the tuned Triton "
-        "kernels) / quack expert GEMMs; gathered = QuACK's first projection reading token rows directly (W_in as "
-        "stored, or gate / up rows interleaved as SonicMoE stores them); eager = without CUDA graphs; SonicMoE "
+        "kernels) / quack expert GEMMs (rows copied in expert order) / quack gathered (QuACK's first projection "
+        "reading token rows through the dispatch order, no row copy); gathered interleaved = the same with gate / up rows "
+        "interleaved as SonicMoE stores them (--gathered); eager = without CUDA graphs; SonicMoE "
         "eager, inference mode; vLLM from CUDA graphs. best = ours' fastest layer time as TF/s (share of dense). "
         "err: relative error vs a float32 reference.",
         "",
         "| shape | d, f, E, k, tokens | dense | bare grouped_mm | " +
         " | ".join(f"GEMMs {kk}" for kk in GEMM_KERNELS) +
-        " | ours auto | ours quack | ours gathered quack | ours gathered interleaved quack | ours auto eager | "
+        " | ours auto | ours quack | ours quack gathered | ours gathered interleaved quack | ours auto eager | "
         "SonicMoE | vLLM GEMMs | vLLM layer | ours best TF/s | err |",
         "|---|---|" + "---|" * (15 + len(GEMM_KERNELS) - 3),
     ]

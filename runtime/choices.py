@@ -8,7 +8,10 @@ persistent kernel (one program per SM, epilogue overlapped with the next tile); 
 with tiles for few rows per expert (narrow M and N, long K: the hit experts' weights read once by many programs);
 "grouped_mm" = torch._grouped_mm (CUTLASS), after the first projection a one-pass Triton activation; "quack" = QuACK's
 CuTe DSL varlen grouped GEMMs (the optional `quack` extra; activation in the first one's epilogue), QUACK_FALLBACK
-where it cannot run. "auto" takes the tuned choice.
+where it cannot run; "quack_gathered" (first projection only) = quack reading its rows from the token matrix through
+the dispatch order where the layer gathers them (ops.experts_gathered: no row copy written), which pays where the copy
+costs more than the slower gathered loads. Elsewhere it is quack, and a layer that gathers under another kernel reads
+a copy of its rows. "auto" takes the tuned choice.
 
 FP8 expert GEMMs: "rowwise" = per-row activation and per-channel weight scales applied after the K loop (weights
 converted from their 128x128 blocks once), faster for batches for a second rounding of weights and activations;
@@ -38,6 +41,7 @@ EXPERT_GEMM_CONFIG = "expert_gemm.json"  # in moecompile.kernels' configs/
 QUACK_GEMM_CONFIG = "quack_gemm.json"
 FP8_LINEAR_CONFIG = "fp8_linear.json"
 QUACK_FALLBACK = "triton_persistent"  # where "quack" is chosen but not installed, not Hopper, or the shape unsupported
+QUACK_KERNELS = ("quack", "quack_gathered")
 
 
 # Decode routing: top-k and dispatch in one launch, except one token over more experts than this, where the one-warp

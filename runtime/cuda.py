@@ -67,8 +67,8 @@ def _projection_kernels(x, w_in, w_out, activation: str, gated: bool, training: 
     """(first, second) projection kernels for x's rows (or `rows` of them, gathered from x)."""
     rows = x.shape[0] if rows is None else rows
     first, second = choices.expert_gemm_kernels(rows, x.shape[1], w_out.shape[2], w_out.shape[0], training)
-    if "quack" in (first, second) and not quack_gemm.supported(x, w_in, w_out, activation, gated):
-        first, second = (choices.QUACK_FALLBACK if v == "quack" else v for v in (first, second))
+    if {first, second} & set(choices.QUACK_KERNELS) and not quack_gemm.supported(x, w_in, w_out, activation, gated):
+        first, second = (choices.QUACK_FALLBACK if v in choices.QUACK_KERNELS else v for v in (first, second))
     if not triton_moe.tma_supported(x, w_in):  # unaligned rows: the pointer-load kernel
         first, second = ("triton" if triton_moe.needs_tma(v) else v for v in (first, second))
     return first, second
@@ -102,7 +102,7 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     if not grouped_mm.supported(x, w_in, w_out):
         return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
     first, second = _projection_kernels(x, w_in, w_out, activation, gated)
-    if first == "quack":
+    if first in choices.QUACK_KERNELS:
         a, _ = _quack_first_projection(x, offsets, w_in, b_in, activation, gated)
     elif first.startswith("triton"):
         a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, variant=first)
@@ -112,12 +112,12 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
 
 
 def experts_gathered(hidden, order, offsets, top_k: int, w_in, b_in, w_out, b_out, activation: str, gated: bool):
-    """QuACK's first projection gathers its rows from hidden where it is the chosen kernel (no row copy, and no
-    pre-activation written); the other kernels read a gathered copy, as dispatch would have written it."""
+    """QuACK's first projection gathers its rows from hidden where "quack_gathered" is the chosen kernel (no row copy,
+    and no pre-activation written); the other kernels read a gathered copy, as dispatch would have written it."""
     rows = order.shape[0]
     if rows and grouped_mm.supported(hidden, w_in, w_out):
         first, second = _projection_kernels(hidden, w_in, w_out, activation, gated, rows=rows)
-        if first == "quack":
+        if first == "quack_gathered":
             starts = quack_gemm.group_starts(offsets)
             a = quack_gemm.first_projection(hidden.contiguous(), starts, w_in, b_in, activation, gated,
                                             gather_rows=(order // top_k).to(torch.int32),
@@ -130,7 +130,7 @@ def experts_gathered(hidden, order, offsets, top_k: int, w_in, b_in, w_out, b_ou
 def _trains_on_quack(x, w_in, w_out, activation: str, gated: bool) -> bool:
     """Whether training runs its GEMMs on QuACK: where training's first projection is QuACK's, as experts_train
     picks it, so the h experts_train keeps is the h the backward reads."""
-    return _projection_kernels(x, w_in, w_out, activation, gated, training=True)[0] == "quack"
+    return _projection_kernels(x, w_in, w_out, activation, gated, training=True)[0] in choices.QUACK_KERNELS
 
 
 def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
@@ -140,7 +140,7 @@ def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: 
     if not grouped_mm.supported(x, w_in, w_out):
         return reference.experts_train(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
     first, second = _projection_kernels(x, w_in, w_out, activation, gated, training=True)
-    project = _quack_first_projection if first == "quack" else _grouped_mm_first_projection
+    project = _quack_first_projection if first in choices.QUACK_KERNELS else _grouped_mm_first_projection
     a, h = project(x, offsets, w_in, b_in, activation, gated)
     return _second_projection(a, offsets, w_out, b_out, second), h
 

@@ -132,18 +132,56 @@ def test_cuda_kernel_choice_follows_the_measurements(monkeypatch):
     monkeypatch.setattr(C, "FFN_IN", "auto")
     monkeypatch.setattr(C, "FFN_OUT", "auto")
     kernels = C.expert_gemm_kernels
-    assert kernels(32768, 7168, 2048, 256) == ("triton_persistent", "triton_persistent")  # DeepSeek-V3, batch
+    assert kernels(32768, 7168, 2048, 256) == ("quack", "quack")  # DeepSeek-V3, batch: the row copy costs less
+    assert kernels(196608, 1536, 256, 128) == ("quack_gathered", "quack")  # SonicMoE's 7B shape, batch
     assert kernels(8192, 4096, 14336, 8) == ("triton_persistent", "triton_persistent")  # Mixtral, batch
     assert kernels(8192, 4096, 14336, 8, training=True) == ("quack", "quack")  # Mixtral, training steps measured
     assert kernels(128, 4096, 14336, 8) == ("triton_decode", "triton_decode")  # Mixtral, decode
     assert kernels(128, 4096, 14336, 8, training=True) == ("triton_decode", "triton_decode")
     assert kernels(65536, 2048, 1408, 60, training=True) == ("triton_persistent", "triton_persistent")  # no train entry
     assert kernels(65536, 2048, 1408, 60) == ("triton_persistent", "triton_persistent")  # Qwen2-MoE, batch
-    assert kernels(65536, 2048, 768, 128) == ("quack", "quack")  # Qwen3-MoE, batch (Triton where QuACK is missing)
+    assert kernels(65536, 2048, 768, 128) == ("quack_gathered", "quack")  # Qwen3-MoE (Triton where QuACK is missing)
+    assert kernels(65536, 2048, 768, 128, training=True) == ("quack_gathered", "quack")  # no train entry: batch's
     assert kernels(4096, 1000, 500, 8) == ("triton_persistent", "triton_persistent")  # unmeasured, batch
     assert kernels(64, 1000, 500, 8) == ("triton_decode", "triton_decode")  # unmeasured, decode
     monkeypatch.setattr(C, "FFN_OUT", "triton")
     assert kernels(64, 1000, 500, 8) == ("triton_decode", "triton")  # an explicit choice wins
+
+
+def test_expert_gemm_choices_are_data_of_known_kernels():
+    """Every tuned expert GEMM choice names a kernel the runtime runs for its projection, in a regime it knows, for a
+    shape key it parses: a typo in the data would otherwise be a KeyError at some user's first batch."""
+    from moecompile.core import settings
+    from moecompile.runtime import choices as C
+
+    default, tuned = C.expert_gemm_table()
+    assert set(default) == {"batch", "decode"}
+    for (hidden, expert_size, experts, regime), (first, second) in [
+            *(((0, 0, 0, name), pair) for name, pair in default.items()), *tuned.items()]:
+        assert regime in ("batch", "decode", "train")
+        assert first in settings.FIRST_PROJECTION_GEMMS and first != "auto"
+        assert second in settings.EXPERT_GEMMS and second != "auto"
+
+
+def test_quack_gathered_falls_back_with_quack(monkeypatch):
+    """Where QuACK cannot run (here: no CUDA), a layer choosing quack_gathered runs the fallback kernel for both
+    projections, and experts_gathered reads a copy of its rows: the same output as experts on dispatched rows."""
+    from moecompile.kernels import reference as R
+    from moecompile.runtime import choices as C
+    from moecompile.runtime import cuda
+
+    monkeypatch.setattr(C, "FFN_IN", "quack_gathered")
+    monkeypatch.setattr(C, "FFN_OUT", "quack")
+    gen = torch.Generator().manual_seed(3)
+    e, h, i, k, tokens = 4, 32, 48, 2, 9
+    x = torch.randn(tokens, h, generator=gen)
+    w_in, w_out = torch.randn(e, 2 * i, h, generator=gen), torch.randn(e, h, i, generator=gen)
+    assert cuda._projection_kernels(x, w_in, w_out, "silu", True) == (C.QUACK_FALLBACK, C.QUACK_FALLBACK)
+    order = torch.randperm(tokens * k, generator=gen)
+    offsets = torch.tensor([5, 5, 12, tokens * k], dtype=torch.int32)
+    got = cuda.experts_gathered(x, order, offsets, k, w_in, None, w_out, None, "silu", True)
+    want = R.experts(x[order // k], offsets, w_in, None, w_out, None, "silu", True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_quack_tile_configurations_are_data_of_known_fields():

@@ -22,6 +22,7 @@ def _one_of(name: str, default: str, allowed: tuple[str, ...]) -> str:
 
 
 EXPERT_GEMMS = ("auto", "grouped_mm", "triton", "triton_decode", "triton_tma", "triton_persistent", "quack")
+FIRST_PROJECTION_GEMMS = (*EXPERT_GEMMS, "quack_gathered")  # QuACK reading its rows through the dispatch order
 
 
 def kernels() -> str | None:
@@ -32,8 +33,9 @@ def kernels() -> str | None:
 
 def ffn_in() -> str:
     """MOECOMPILE_FFN_IN: the CUDA kernel of the experts' first projection: auto (the tuned choice per shape),
-    grouped_mm, triton, triton_decode, triton_tma, triton_persistent or quack (the quack extra, Hopper)."""
-    return _one_of("MOECOMPILE_FFN_IN", "auto", EXPERT_GEMMS)
+    grouped_mm, triton, triton_decode, triton_tma, triton_persistent, quack (the quack extra, Hopper) or quack_gathered
+    (quack reading each expert's rows from the token matrix where the layer skips the dispatch's row copy)."""
+    return _one_of("MOECOMPILE_FFN_IN", "auto", FIRST_PROJECTION_GEMMS)
 
 
 def ffn_out() -> str:
