@@ -327,8 +327,8 @@ def main(argv=None):
         "torch._grouped_mm on balanced groups; GEMMs = the two expert GEMMs alone on the real routing (TF/s and share "
         "of dense in brackets); ours = the whole moecompile layer from a CUDA graph with auto (the tuned Triton "
         "kernels) / quack expert GEMMs (rows copied in expert order) / quack gathered (QuACK's first projection "
-        "reading token rows through the dispatch order, no row copy); gathered interleaved = the same with gate / up rows "
-        "interleaved as SonicMoE stores them (--gathered); eager = without CUDA graphs; SonicMoE "
+        "reading token rows through the dispatch order, no row copy); gathered interleaved = the same with gate / "
+        "up rows interleaved as SonicMoE stores them (--gathered); eager = without CUDA graphs; SonicMoE "
         "eager, inference mode; vLLM from CUDA graphs. best = ours' fastest layer time as TF/s (share of dense). "
         "err: relative error vs a float32 reference.",
         "",
