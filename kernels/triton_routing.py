@@ -189,6 +189,10 @@ def _small_dispatch_kernel(x_ptr, ids_ptr, order_ptr, rows_ptr, offsets_ptr, n, 
     _copy_rows(x_ptr, rows_ptr, a, pos, amask, hidden, TOP_K, BLOCK_H)
 
 
+def _row_copy_block(hidden: torch.Tensor) -> int:
+    return 512 if hidden.element_size() == 1 else 256  # FP8 rows (FP8 dispatch): 512 bytes a copy, as bf16
+
+
 def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, copy_rows: bool = True):
     """(sorted rows [T*k, H], order [T*k] int64, offsets [E] int32) as kernels/reference.py's dispatch. Without
     copy_rows only the order and offsets are computed (rows is None): for GEMMs that gather their rows themselves."""
@@ -198,8 +202,7 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, c
     order = torch.empty(n, dtype=torch.int64, device=hidden.device)
     if n == 0:
         return rows, order, torch.zeros(num_experts, dtype=torch.int32, device=hidden.device)
-    block_h = 512 if hidden.element_size() == 1 else 256  # FP8 rows (FP8 dispatch): 512 bytes a copy, as bf16
-    block_h = min(block_h, triton.next_power_of_2(width))
+    block_h = min(_row_copy_block(hidden), triton.next_power_of_2(width))
     ids = expert_ids.reshape(-1).contiguous()
     if n <= SMALL_DISPATCH and copy_rows:
         offsets = torch.empty(num_experts, dtype=torch.int32, device=hidden.device)
@@ -226,6 +229,30 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, c
         hidden.contiguous(), ids, rank, base, order, rows if copy_rows else order, n, blocks, hidden=width,
         TOP_K=top_k, RANK_BLOCK=rank_block, BLOCK_A=block_a, BLOCK_H=block_h, COPY=copy_rows)
     return rows, order, ends[:num_experts].contiguous()
+
+
+@triton.jit
+def _gather_rows_kernel(x_ptr, order_ptr, rows_ptr, n, hidden: tl.constexpr, TOP_K: tl.constexpr,
+                        BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr):
+    """rows[pos] = x[order[pos] // TOP_K]: dispatch's row copy for an order already computed."""
+    pos = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
+    amask = pos < n
+    a = tl.load(order_ptr + pos, mask=amask, other=0)
+    _copy_rows(x_ptr, rows_ptr, a, pos, amask, hidden, TOP_K, BLOCK_H)
+
+
+def gather_rows(hidden: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """hidden.index_select(0, order // top_k) in one launch of dispatch's row copy (torch's index_select of rows is
+    slower): the rows a GEMM that cannot gather reads where dispatch wrote none."""
+    n, width = order.shape[0], hidden.shape[1]
+    rows = hidden.new_empty(n, width)
+    if n:
+        block_a = 32
+        _gather_rows_kernel[(triton.cdiv(n, block_a),)](
+            hidden.contiguous(), order, rows, n, hidden=width, TOP_K=top_k, BLOCK_A=block_a,
+            BLOCK_H=min(_row_copy_block(hidden), triton.next_power_of_2(width)))
+    return rows
+
 
 
 @triton.jit

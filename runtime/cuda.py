@@ -124,6 +124,8 @@ def experts_gathered(hidden, order, offsets, top_k: int, w_in, b_in, w_out, b_ou
                                             config=choices.quack_config("first", w_in.shape[2], w_in.shape[1],
                                                                         gathered=True))
             return _second_projection(a, offsets, w_out, b_out, second)
+        return experts(triton_routing.gather_rows(hidden, order, top_k), offsets, w_in, b_in, w_out, b_out,
+                       activation, gated)
     return experts(hidden.index_select(0, order // top_k), offsets, w_in, b_in, w_out, b_out, activation, gated)
 
 

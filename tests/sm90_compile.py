@@ -94,6 +94,8 @@ def cases():
     fp8_rows = {**scatter, "x_ptr": "*fp8e4nv", "rows_ptr": "*fp8e4nv"}
     yield (triton_routing._scatter_rows_kernel, "H=7168 FP8 rows", fp8_rows,
            dict(hidden=7168, TOP_K=8, RANK_BLOCK=64, BLOCK_A=32, BLOCK_H=512), {})
+    yield (triton_routing._gather_rows_kernel, "H=2048", {"x_ptr": BF16, "order_ptr": "*i64", "rows_ptr": BF16},
+           dict(hidden=2048, TOP_K=8, BLOCK_A=32, BLOCK_H=256), {})
     direct = {"x_ptr": BF16, "ids_ptr": "*i64", "w_ptr": BF16, "s_ptr": BF16, "bias_ptr": BF16, "out_ptr": BF16}
     fp8_direct = {**direct, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}  # FP8 weights, 128 x 128 block scales
     for gated, act, bias, label in ((True, 3, False, "swiglu"), (False, 0, True, "gelu+bias")):

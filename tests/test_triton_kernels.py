@@ -134,6 +134,7 @@ def test_cuda_kernel_choice_follows_the_measurements(monkeypatch):
     kernels = C.expert_gemm_kernels
     assert kernels(32768, 7168, 2048, 256) == ("quack", "quack")  # DeepSeek-V3, batch: the row copy costs less
     assert kernels(196608, 1536, 256, 128) == ("quack_gathered", "quack")  # SonicMoE's 7B shape, batch
+    assert kernels(262144, 4096, 512, 128) == ("quack_gathered", "quack")  # SonicMoE's 30B shape, batch
     assert kernels(8192, 4096, 14336, 8) == ("triton_persistent", "triton_persistent")  # Mixtral, batch
     assert kernels(8192, 4096, 14336, 8, training=True) == ("quack", "quack")  # Mixtral, training steps measured
     assert kernels(128, 4096, 14336, 8) == ("triton_decode", "triton_decode")  # Mixtral, decode

@@ -135,3 +135,16 @@ def test_one_launch_route_policy():
 
     assert choices.one_launch_route(16, 128) and choices.one_launch_route(1, 8)
     assert not choices.one_launch_route(1, 128)
+
+
+@pytest.mark.parametrize("tokens,top_k,width,dtype", [(37, 2, 300, torch.float32), (1, 8, 64, torch.bfloat16),
+                                                      (9, 6, 1000, torch.float8_e4m3fn), (0, 2, 16, torch.float32)])
+def test_gather_rows_is_index_select_of_the_tokens(tokens, top_k, width, dtype):
+    """The row copy for an order dispatch computed without rows: a random order of every assignment (odd widths
+    over several column blocks, one token, FP8 rows, no rows)."""
+    gen = torch.Generator().manual_seed(tokens + width)
+    hidden = torch.randn(tokens, width, generator=gen).to(dtype)
+    order = torch.randperm(tokens * top_k, generator=gen)
+    got = TR.gather_rows(hidden, order, top_k)
+    assert got.dtype == dtype and got.shape == (tokens * top_k, width)
+    assert torch.equal(got.view(torch.uint8), hidden.index_select(0, order // top_k).view(torch.uint8))
