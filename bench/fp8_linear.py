@@ -2,7 +2,14 @@
 unsplit), the one-row form inductor compiles (pass matvec_fp8_linears), and bf16 cuBLAS, same run.
 
 On the device:   python bench/fp8_linear.py --out bench/results/gpu-fp8-linear.md --commit <hash>
-CPU smoke test:  python bench/fp8_linear.py --tiny      (tiny shapes, Triton's interpreter; checks the script only)
+                 python bench/fp8_linear.py --forms --out ...   (one row only: why inductor's FP8 form is slow)
+CPU smoke test:  python bench/fp8_linear.py --tiny [--forms]  (tiny shapes, Triton's interpreter; checks the script)
+
+--forms times one-row graphs inductor compiles with the backend's coordinate-descent tuning, on the linears above and
+two lm_heads: the pass's form (weight times its block scales, then the reduction), the block scales applied to the
+activation instead (one product per 128 x 128 block's row of x, not per weight), the FP8 weight with no scales (a
+rate probe: its output is wrong), and the bf16 weight (twice the bytes through the same reduction). Which of them
+streams at the bf16 form's rate says whether the scales or the FP8 loads cost the bandwidth.
 
 Each variant runs over enough copies of the weight that they do not fit in L2 (a decode step's linears each read
 their own weight), one call per copy, replayed from a CUDA graph; the time is the graph's median over the copies.
@@ -24,7 +31,9 @@ SHAPES = {  # name: (n, k), the fused q/k/v and the output projection of two dec
     "mixtral qkv": (6144, 4096), "mixtral o": (4096, 4096),
     "qwen3-30b-a3b qkv": (5120, 2048), "qwen3-30b-a3b o": (2048, 4096),
 }
+HEADS = {"qwen3-30b-a3b lm_head": (151936, 2048), "mixtral lm_head": (32000, 4096)}  # --forms only
 TINY_SHAPES = {"tiny": (200, 300)}
+TINY_FORM_SHAPES = {"tiny": (256, 384)}  # whole 128 x 128 blocks, as every shape above
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 SWEEP = (1, 2, 4, 8, 16, 32)
 L2_BYTES = 50 * 2 ** 20  # H100's L2; the copies of a weight span four times it
@@ -109,6 +118,51 @@ def run_shape(name: str, n: int, k: int, rows_list, sweep, device: str, bandwidt
     return lines
 
 
+def scaled_activations(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x [1, K] W^T with W = q times its 128 x 128 block scales s, each scale applied to the 128 values of x it meets
+    in one block's row rather than to the weights (whole blocks only)."""
+    n, k = q.shape
+    xs = (x.float().view(1, -1, 128) * s[:, :, None]).view(s.shape[0], 1, k)  # [N / 128, 1, K]
+    return (q.float().view(s.shape[0], 128, k) * xs).sum(-1).view(1, n).to(x.dtype)
+
+
+def one_row_forms(name: str, n: int, k: int, device: str, bandwidth: float) -> str:
+    """One table row of --forms: each one-row graph under inductor, ms and share of the copy bandwidth."""
+    from moecompile.core import fp8_format as fp8
+
+    fp8_bytes = n * k + 4 * fp8.cdiv(n, 128) * fp8.cdiv(k, 128)
+    copies = max(1, -(-4 * L2_BYTES // fp8_bytes)) if device == "cuda" else 1
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights = [torch.randn(n, k, device=device, generator=gen) / k ** 0.5 for _ in range(copies)]
+    fp8_weights = [fp8.quantize_blocks(w) for w in weights]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    bf16_weights = [w.to(dtype) for w in weights]
+    del weights
+    x = torch.randn(1, k, device=device, generator=gen).to(dtype)
+    forms = {
+        "pass": (lambda x, q, s: torch.nn.functional.linear(x.float(), fp8.dequantize_blocks(q, s)).to(x.dtype),
+                 fp8_weights, fp8_bytes),
+        "scaled activations": (scaled_activations, fp8_weights, fp8_bytes),
+        "no scales": (lambda x, q, s: torch.nn.functional.linear(x.float(), q.float()).to(x.dtype), fp8_weights,
+                      fp8_bytes),
+        "bf16": (lambda x, w: torch.nn.functional.linear(x, w), [(w,) for w in bf16_weights], 2 * n * k),
+    }
+    want = torch.nn.functional.linear(x.float(), fp8.dequantize_blocks(*fp8_weights[0]))
+    cells, errs = [], []
+    for label, (fn, operands, nbytes) in forms.items():
+        compiled = torch.compile(fn, backend="inductor", dynamic=False, options={"coordinate_descent_tuning": True})
+        got = compiled(x, *operands[0])
+        if label in ("pass", "scaled activations"):
+            errs.append(f"{label} {rel(got, want):.1e}")
+        ms = bench_ms([lambda o=o: compiled(x, *o) for o in operands], device)
+        gbs = nbytes / ms / 1e6
+        cells.append(f"{ms:.4f} ({gbs:.0f} GB/s, {gbs * 1e9 / bandwidth:.0%})" if bandwidth == bandwidth else
+                     f"{ms:.4f}")
+    line = f"| {name} {n}x{k} | " + " | ".join(cells) + f" | {', '.join(errs)} |"
+    print(line, flush=True)
+    return line
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="write the markdown table here (after every shape)")
@@ -117,11 +171,13 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default=None, help="comma-separated row counts (default: %s)" % ",".join(map(str, ROWS)))
     p.add_argument("--no-matvec", action="store_true", help="skip the inductor-compiled one-row form")
     p.add_argument("--commit", default="?", help="the commit measured, for the header")
+    p.add_argument("--forms", action="store_true", help="only the one-row forms under inductor (see above)")
     args = p.parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    shapes = TINY_SHAPES if args.tiny else SHAPES
+    shapes = (TINY_FORM_SHAPES if args.forms else TINY_SHAPES) if args.tiny else \
+        ({**SHAPES, **HEADS} if args.forms else SHAPES)
     if args.shapes:
         shapes = {name: shapes[name] for name in args.shapes.split(",")}
     rows_list = [int(r) for r in args.rows.split(",")] if args.rows else ((1, 3) if args.tiny else ROWS)
@@ -142,9 +198,20 @@ def main(argv=None) -> int:
         "best split (all) | inductor one-row form ms | bf16 cuBLAS ms | unsplit / ours | bf16 / ours | err |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if args.forms:
+        header[4:] = [
+            "One row, each form compiled by inductor with coordinate-descent tuning (the backend's setting for a "
+            "decode step): pass = weight times its block scales, then the reduction (matvec_fp8_linears); scaled "
+            "activations = the scales applied to x per block; no scales = the FP8 weight alone (a rate probe, its "
+            "output wrong); bf16 = the bf16 weight (twice the bytes). err: against dequantise-then-float32.", "",
+            "| weight n x k | pass ms | scaled activations ms | no scales ms | bf16 ms | err |",
+            "|---|---|---|---|---|---|"]
     lines = []
     for name, (n, k) in shapes.items():
-        lines += run_shape(name, n, k, rows_list, sweep, device, bandwidth, not args.no_matvec)
+        if args.forms:
+            lines.append(one_row_forms(name, n, k, device, bandwidth))
+        else:
+            lines += run_shape(name, n, k, rows_list, sweep, device, bandwidth, not args.no_matvec)
         if args.out:
             with open(args.out, "w") as f:
                 f.write("\n".join(header + lines) + "\n")

@@ -616,3 +616,16 @@ def test_bench_script_runs_tiny_on_cpu(tmp_path):
         assert float(cells[10]) < 0.1  # FP8 vs bf16 relative error
         assert 0.5 <= float(cells[11]) < 0.51  # FP8 weights + scales are half of bf16's
     assert "experts_fp8 = reference" in text
+
+
+def test_fp8_linear_bench_scaled_activations_form_is_the_block_scaled_linear():
+    """bench/fp8_linear.py --forms: the form applying the block scales to the activation computes the same one-row
+    linear as the pass's form (weights times their scales), on random weights of several row and column blocks."""
+    from moecompile.core import fp8_format as F
+
+    bench = _bench("fp8_linear")
+    gen = torch.Generator().manual_seed(7)
+    q, s = F.quantize_blocks(torch.randn(384, 256, generator=gen))
+    x = torch.randn(1, 256, generator=gen)
+    want = torch.nn.functional.linear(x, F.dequantize_blocks(q, s))
+    torch.testing.assert_close(bench.scaled_activations(x, q, s), want, rtol=1e-5, atol=1e-5)
