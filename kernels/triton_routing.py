@@ -254,7 +254,6 @@ def gather_rows(hidden: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.
     return rows
 
 
-
 @triton.jit
 def _small_route_dispatch_kernel(logits_ptr, bias_ptr, x_ptr, weights_ptr, ids_ptr, order_ptr, rows_ptr, offsets_ptr,
                                  tokens, num_experts, scaling, hidden: tl.constexpr, TOP_K: tl.constexpr,
