@@ -6,6 +6,7 @@
 #   bash bench/gpu_check.sh tune-quack [ARGS]   # bench/tune_quack.py: QuACK tile configurations into kernels/configs/
 #   bash bench/gpu_check.sh fine-grained [ARGS] # bench/fine_grained.py ARGS, table to $OUT/fine-grained.md
 #   bash bench/gpu_check.sh fp8-linear [ARGS]   # bench/fp8_linear.py ARGS, table to $OUT/fp8-linear.md
+#   bash bench/gpu_check.sh direct-experts [ARGS] # bench/direct_experts.py ARGS, table to $OUT/direct-experts.md
 # On the device tool's H200 machine: its python3 has torch, triton and transformers; nothing is downloaded
 # (carry .whl/ with the wheels it lacks). TAG=name suffixes the output files, for several runs of a case in one call.
 set -uo pipefail
@@ -52,6 +53,9 @@ case "$what" in
     python3 bench/fine_grained.py $peer --sonic-cache "$out/sonic-autotune" --out "$out/fine-grained$tag.md" "$@" 2>&1 \
       | tee "$out/fine-grained$tag.log" ;;
   fp8-linear) python3 bench/fp8_linear.py --out "$out/fp8-linear$tag.md" "$@" 2>&1 | tee "$out/fp8-linear$tag.log" ;;
-  *) echo "usage: bench/gpu_check.sh tests [PATHS]|layer|generate|tune-quack|fine-grained|fp8-linear [ARGS]" >&2
+  direct-experts) python3 bench/direct_experts.py --out "$out/direct-experts$tag.md" "$@" 2>&1 \
+    | tee "$out/direct-experts$tag.log" ;;
+  *) echo "usage: bench/gpu_check.sh tests [PATHS]|layer|generate|tune-quack|fine-grained|fp8-linear|direct-experts" \
+       "[ARGS]" >&2
      exit 2 ;;
 esac

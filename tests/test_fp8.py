@@ -629,3 +629,13 @@ def test_fp8_linear_bench_scaled_activations_form_is_the_block_scaled_linear():
     x = torch.randn(1, 256, generator=gen)
     want = torch.nn.functional.linear(x, F.dequantize_blocks(q, s))
     torch.testing.assert_close(bench.scaled_activations(x, q, s), want, rtol=1e-5, atol=1e-5)
+
+
+def test_direct_experts_bench_runs_tiny_on_cpu(tmp_path):
+    """bench/direct_experts.py: every configuration of both weight types runs and matches the float32 reference."""
+    bench = _bench("direct_experts")
+    out = tmp_path / "direct.md"
+    assert bench.main(["--tiny", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny")]
+    assert [row.split("|")[2].strip() for row in rows] == ["bf16", "bf16", "fp8", "fp8"]
+    assert all(float(row.split("|")[-2]) < 1e-5 for row in rows)  # float32 weights on the CPU
