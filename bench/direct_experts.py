@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -70,6 +69,8 @@ def kernel_ms(calls: list, device: str, reps: int = 3) -> dict[str, float]:
 def run_shape(name: str, hidden: int, width: int, experts: int, k: int, device: str, bandwidth: float,
               tiny: bool) -> list[str]:
     draws = TINY_DRAWS if tiny else DRAWS
+    import moe_layer
+
     from moecompile.core import fp8_format as F
     from moecompile.kernels import reference, triton_direct, triton_fp8_decode
 
@@ -107,10 +108,7 @@ def run_shape(name: str, hidden: int, width: int, experts: int, k: int, device: 
             cells = []
             for projection, kernel in (("in", "_direct_ffn_in_kernel"), ("out", "_direct_ffn_out_kernel")):
                 ms = sum(t for key, t in times.items() if kernel in key)
-                nbytes = k * bytes_per[projection][kind]
-                gbs = nbytes / ms / 1e6 if ms else float("nan")
-                cells.append(f"{ms:.4f} ({gbs:.0f} GB/s, {gbs * 1e9 / bandwidth:.0%})" if bandwidth == bandwidth and ms
-                             else "—")
+                cells.append(moe_layer.rate(ms, k * bytes_per[projection][kind], bandwidth) if ms else "—")
             if device != "cuda":
                 cells[0] = f"{times['all']:.3f} (both)"
             if config is None:
@@ -143,8 +141,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import moe_layer  # this folder's shared helpers (imported after TRITON_INTERPRET is decided)
 
-    bandwidth = moe_layer.copy_bandwidth() if device == "cuda" else float("nan")
-    card = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    bandwidth, card = moe_layer.machine(device)
     header = [
         "# Direct experts at one token: each projection per tile configuration, FP8 and bf16", "",
         f"`python bench/direct_experts.py {' '.join(argv if argv is not None else sys.argv[1:])}` at commit "

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -65,25 +64,38 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+def weight_copies(n: int, k: int, device: str, gen: torch.Generator) -> tuple[list, list, int]:
+    """(FP8 (weight, scale_inv) copies, the same weights in the activations' dtype, one FP8 copy's bytes): enough
+    copies of a random [n, k] weight that they do not fit in L2 on CUDA, one elsewhere."""
+    from moecompile.core import fp8_format as fp8
+
+    fp8_bytes = n * k + 4 * fp8.cdiv(n, 128) * fp8.cdiv(k, 128)
+    copies = max(1, -(-4 * L2_BYTES // fp8_bytes)) if device == "cuda" else 1
+    weights = [torch.randn(n, k, device=device, generator=gen) / k ** 0.5 for _ in range(copies)]
+    dtype = activation_dtype(device)
+    return [fp8.quantize_blocks(w) for w in weights], [w.to(dtype) for w in weights], fp8_bytes
+
+
+def activation_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
 def run_shape(name: str, n: int, k: int, rows_list, sweep, device: str, bandwidth: float, matvec: bool) -> list[str]:
+    import moe_layer
+
     from moecompile.core import fp8_format as fp8
     from moecompile.ir import ops
     from moecompile.kernels import reference, triton_fp8_decode
     from moecompile.runtime import choices
 
-    fp8_bytes = n * k + 4 * fp8.cdiv(n, 128) * fp8.cdiv(k, 128)
-    copies = max(1, -(-4 * L2_BYTES // fp8_bytes)) if device == "cuda" else 1
     gen = torch.Generator(device=device).manual_seed(0)
-    weights = [torch.randn(n, k, device=device, generator=gen) / k ** 0.5 for _ in range(copies)]
-    fp8_weights = [fp8.quantize_blocks(w) for w in weights]
-    bf16_weights = [w.bfloat16() for w in weights]
-    del weights
+    fp8_weights, bf16_weights, fp8_bytes = weight_copies(n, k, device, gen)
+    dtype = activation_dtype(device)
     compiled = torch.compile(lambda x, q, s: ops.linear_fp8(x, q, s, None), backend="moecompile") if matvec else None
     untuned = {} if device == "cuda" else {"BLOCK_N": 32, "BLOCK_K": 64}  # the interpreter cannot autotune
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1
     lines = []
     for rows in rows_list:
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
         x = torch.randn(rows, k, device=device, generator=gen).to(dtype)
         want = reference.linear_fp8(x, *fp8_weights[0], None)
 
@@ -98,21 +110,18 @@ def run_shape(name: str, n: int, k: int, rows_list, sweep, device: str, bandwidt
         unsplit_ms = bench_ms(ours(1), device)
         sweep_ms = {s: bench_ms(ours(s, FIXED), device) for s in sweep if s <= fp8.cdiv(k, 128)}
         best = min(sweep_ms, key=sweep_ms.get)
-        bf16_ms = bench_ms([lambda w=w: torch.nn.functional.linear(x, w.to(dtype)) for w in bf16_weights], device)
+        bf16_ms = bench_ms([lambda w=w: torch.nn.functional.linear(x, w) for w in bf16_weights], device)
         inductor = "—"
         if compiled is not None and rows == 1:
             torch._dynamo.reset()
             err = max(err, rel(compiled(x, *fp8_weights[0]), want))
             inductor = f"{bench_ms([lambda q=q, s=s: compiled(x, q, s) for q, s in fp8_weights], device):.4f}"
-
-        def rate(ms, nbytes):
-            gbs = nbytes / ms / 1e6
-            return f"{ms:.4f} ({gbs:.0f} GB/s, {gbs * 1e9 / bandwidth:.0%})" if bandwidth == bandwidth else f"{ms:.4f}"
-
-        line = (f"| {name} {n}x{k} | {rows} | {rate(auto_ms, fp8_bytes)} | {splits} | {rate(unsplit_ms, fp8_bytes)} | "
+        rate = moe_layer.rate
+        line = (f"| {name} {n}x{k} | {rows} | {rate(auto_ms, fp8_bytes, bandwidth)} | {splits} | "
+                f"{rate(unsplit_ms, fp8_bytes, bandwidth)} | "
                 f"{best}: {sweep_ms[best]:.4f} ({' / '.join(f'{s}:{t:.4f}' for s, t in sweep_ms.items())}) | "
-                f"{inductor} | {rate(bf16_ms, 2 * n * k)} | {unsplit_ms / auto_ms:.2f} | {bf16_ms / auto_ms:.2f} | "
-                f"{err:.1e} |")
+                f"{inductor} | {rate(bf16_ms, 2 * n * k, bandwidth)} | {unsplit_ms / auto_ms:.2f} | "
+                f"{bf16_ms / auto_ms:.2f} | {err:.1e} |")
         print(line, flush=True)
         lines.append(line)
     return lines
@@ -128,17 +137,13 @@ def scaled_activations(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> tor
 
 def one_row_forms(name: str, n: int, k: int, device: str, bandwidth: float) -> str:
     """One table row of --forms: each one-row graph under inductor, ms and share of the copy bandwidth."""
+    import moe_layer
+
     from moecompile.core import fp8_format as fp8
 
-    fp8_bytes = n * k + 4 * fp8.cdiv(n, 128) * fp8.cdiv(k, 128)
-    copies = max(1, -(-4 * L2_BYTES // fp8_bytes)) if device == "cuda" else 1
     gen = torch.Generator(device=device).manual_seed(0)
-    weights = [torch.randn(n, k, device=device, generator=gen) / k ** 0.5 for _ in range(copies)]
-    fp8_weights = [fp8.quantize_blocks(w) for w in weights]
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    bf16_weights = [w.to(dtype) for w in weights]
-    del weights
-    x = torch.randn(1, k, device=device, generator=gen).to(dtype)
+    fp8_weights, bf16_weights, fp8_bytes = weight_copies(n, k, device, gen)
+    x = torch.randn(1, k, device=device, generator=gen).to(activation_dtype(device))
     forms = {
         "pass": (lambda x, q, s: torch.nn.functional.linear(x.float(), fp8.dequantize_blocks(q, s)).to(x.dtype),
                  fp8_weights, fp8_bytes),
@@ -154,10 +159,8 @@ def one_row_forms(name: str, n: int, k: int, device: str, bandwidth: float) -> s
         got = compiled(x, *operands[0])
         if label in ("pass", "scaled activations"):
             errs.append(f"{label} {rel(got, want):.1e}")
-        ms = bench_ms([lambda o=o: compiled(x, *o) for o in operands], device)
-        gbs = nbytes / ms / 1e6
-        cells.append(f"{ms:.4f} ({gbs:.0f} GB/s, {gbs * 1e9 / bandwidth:.0%})" if bandwidth == bandwidth else
-                     f"{ms:.4f}")
+        cells.append(moe_layer.rate(bench_ms([lambda o=o: compiled(x, *o) for o in operands], device), nbytes,
+                                    bandwidth))
     line = f"| {name} {n}x{k} | " + " | ".join(cells) + f" | {', '.join(errs)} |"
     print(line, flush=True)
     return line
@@ -185,8 +188,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import moe_layer  # this folder's shared helpers (imported after TRITON_INTERPRET is decided)
 
-    bandwidth = moe_layer.copy_bandwidth() if device == "cuda" else float("nan")
-    card = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    bandwidth, card = moe_layer.machine(device)
     header = [
         "# FP8 linear at decode's few rows", "",
         f"`python bench/fp8_linear.py {' '.join(argv if argv is not None else sys.argv[1:])}` at commit "

@@ -110,6 +110,21 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (bench(lambda: dst.copy_(src)) * 1e-3)  # bytes read + written per second
 
 
+def machine(device: str) -> tuple[float, str]:
+    """(copy bandwidth in bytes/s, NaN off CUDA; the card's or the CPU's name) for a results header."""
+    if device == "cuda":
+        return copy_bandwidth(), torch.cuda.get_device_name()
+    return float("nan"), platform.processor() or "cpu"
+
+
+def rate(ms: float, nbytes: int, bandwidth: float) -> str:
+    """ms, with the GB/s of reading nbytes in that time and their share of the copy bandwidth where it is known."""
+    if bandwidth != bandwidth:
+        return f"{ms:.4f}"
+    gbs = nbytes / ms / 1e6
+    return f"{ms:.4f} ({gbs:.0f} GB/s, {gbs * 1e9 / bandwidth:.0%})"
+
+
 # our variants: (first projection, second projection) kernels, as runtime/choices.py's FFN_IN / FFN_OUT name them
 VARIANTS = {"persistent": ("triton_persistent", "triton_persistent"),
             "persistent + grouped_mm": ("triton_persistent", "grouped_mm"),
