@@ -7,9 +7,10 @@ CPU smoke test:  python bench/fp8_linear.py --tiny [--forms]  (tiny shapes, Trit
 
 --forms times one-row graphs inductor compiles with the backend's coordinate-descent tuning, on the linears above and
 two lm_heads: the pass's form (weight times its block scales, then the reduction), the block scales applied to the
-activation instead (one product per 128 x 128 block's row of x, not per weight), the FP8 weight with no scales (a
-rate probe: its output is wrong), and the bf16 weight (twice the bytes through the same reduction). Which of them
-streams at the bf16 form's rate says whether the scales or the FP8 loads cost the bandwidth.
+activation instead (one product per 128 x 128 block's row of x, not per weight), each row's 128-channel block sums
+times their scales (one product per block sum), the FP8 weight with no scales (a rate probe: its output is wrong), and
+the bf16 weight (twice the bytes through the same reduction); beside them moecompile's own Triton linear_fp8 at one
+row. Which of them streams at the bf16 form's rate says whether the scales or the FP8 loads cost the bandwidth.
 
 Each variant runs over enough copies of the weight that they do not fit in L2 (a decode step's linears each read
 their own weight), one call per copy, replayed from a CUDA graph; the time is the graph's median over the copies.
@@ -19,6 +20,7 @@ GB/s counts the weight bytes (FP8 and its scales, or bf16) once per call. The sp
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -135,29 +137,45 @@ def scaled_activations(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> tor
     return (q.float().view(s.shape[0], 128, k) * xs).sum(-1).view(1, n).to(x.dtype)
 
 
+def block_sums(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The same product as sums over each 128-channel block of a row, each then times its block's scale: the scales
+    meet [N, K / 128] partial sums, not the weights (whole blocks only)."""
+    n, k = q.shape
+    partial = (q.float().view(n, k // 128, 128) * x.float().view(1, k // 128, 128)).sum(-1)  # [N, K / 128]
+    return (partial.view(s.shape[0], 128, -1) * s[:, None, :]).sum(-1).view(1, n).to(x.dtype)
+
+
 def one_row_forms(name: str, n: int, k: int, device: str, bandwidth: float) -> str:
     """One table row of --forms: each one-row graph under inductor, ms and share of the copy bandwidth."""
     import moe_layer
 
     from moecompile.core import fp8_format as fp8
+    from moecompile.kernels import triton_fp8_decode
+    from moecompile.runtime import choices
 
     gen = torch.Generator(device=device).manual_seed(0)
     fp8_weights, bf16_weights, fp8_bytes = weight_copies(n, k, device, gen)
     x = torch.randn(1, k, device=device, generator=gen).to(activation_dtype(device))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1
+    triton_kernel = functools.partial(triton_fp8_decode.linear_fp8, bias=None, splits=choices.fp8_linear_splits(
+        1, n, k, sms), config=None if device == "cuda" else {"BLOCK_N": 32, "BLOCK_K": 64})
     forms = {
         "pass": (lambda x, q, s: torch.nn.functional.linear(x.float(), fp8.dequantize_blocks(q, s)).to(x.dtype),
                  fp8_weights, fp8_bytes),
         "scaled activations": (scaled_activations, fp8_weights, fp8_bytes),
+        "block sums": (block_sums, fp8_weights, fp8_bytes),
         "no scales": (lambda x, q, s: torch.nn.functional.linear(x.float(), q.float()).to(x.dtype), fp8_weights,
                       fp8_bytes),
         "bf16": (lambda x, w: torch.nn.functional.linear(x, w), [(w,) for w in bf16_weights], 2 * n * k),
     }
     want = torch.nn.functional.linear(x.float(), fp8.dequantize_blocks(*fp8_weights[0]))
     cells, errs = [], []
+    forms["linear_fp8 kernel"] = (triton_kernel, fp8_weights, fp8_bytes)  # not compiled: the Triton kernel itself
     for label, (fn, operands, nbytes) in forms.items():
-        compiled = torch.compile(fn, backend="inductor", dynamic=False, options={"coordinate_descent_tuning": True})
+        compiled = fn if fn is triton_kernel else torch.compile(fn, backend="inductor", dynamic=False,
+                                                               options={"coordinate_descent_tuning": True})
         got = compiled(x, *operands[0])
-        if label in ("pass", "scaled activations"):
+        if label not in ("no scales", "bf16"):
             errs.append(f"{label} {rel(got, want):.1e}")
         cells.append(moe_layer.rate(bench_ms([lambda o=o: compiled(x, *o) for o in operands], device), nbytes,
                                     bandwidth))
@@ -204,10 +222,13 @@ def main(argv=None) -> int:
         header[4:] = [
             "One row, each form compiled by inductor with coordinate-descent tuning (the backend's setting for a "
             "decode step): pass = weight times its block scales, then the reduction (matvec_fp8_linears); scaled "
-            "activations = the scales applied to x per block; no scales = the FP8 weight alone (a rate probe, its "
-            "output wrong); bf16 = the bf16 weight (twice the bytes). err: against dequantise-then-float32.", "",
-            "| weight n x k | pass ms | scaled activations ms | no scales ms | bf16 ms | err |",
-            "|---|---|---|---|---|---|"]
+            "activations = the scales applied to x per block; block sums = each row's 128-channel block sums, then "
+            "times their scales; no scales = the FP8 weight alone (a rate probe, its output wrong); bf16 = the bf16 "
+            "weight (twice the bytes); linear_fp8 kernel = moecompile's Triton kernel at the runtime's K splits, not "
+            "under inductor. err: against dequantise-then-float32.", "",
+            "| weight n x k | pass ms | scaled activations ms | block sums ms | no scales ms | bf16 ms | "
+            "linear_fp8 kernel ms | err |",
+            "|---|---|---|---|---|---|---|---|"]
     lines = []
     for name, (n, k) in shapes.items():
         if args.forms:

@@ -618,9 +618,10 @@ def test_bench_script_runs_tiny_on_cpu(tmp_path):
     assert "experts_fp8 = reference" in text
 
 
-def test_fp8_linear_bench_scaled_activations_form_is_the_block_scaled_linear():
-    """bench/fp8_linear.py --forms: the form applying the block scales to the activation computes the same one-row
-    linear as the pass's form (weights times their scales), on random weights of several row and column blocks."""
+def test_fp8_linear_bench_forms_are_the_block_scaled_linear():
+    """bench/fp8_linear.py --forms: the forms applying the block scales to the activation or to each row's block sums
+    compute the same one-row linear as the pass's form (weights times their scales), on random weights of several row
+    and column blocks."""
     from moecompile.core import fp8_format as F
 
     bench = _bench("fp8_linear")
@@ -629,6 +630,7 @@ def test_fp8_linear_bench_scaled_activations_form_is_the_block_scaled_linear():
     x = torch.randn(1, 256, generator=gen)
     want = torch.nn.functional.linear(x, F.dequantize_blocks(q, s))
     torch.testing.assert_close(bench.scaled_activations(x, q, s), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bench.block_sums(x, q, s), want, rtol=1e-5, atol=1e-5)
 
 
 def test_direct_experts_bench_runs_tiny_on_cpu(tmp_path):
