@@ -56,29 +56,6 @@ def weight_tile(w, s_ptr, rows, rmask, k_blocks: tl.constexpr, k0, SCALED: tl.co
 
 
 @triton.jit
-def block_scaled(xk, s_row, k_blocks: tl.constexpr, k0, BLOCK_K: tl.constexpr):
-    """xk [BLOCK_K] (float32, the channels from k0) times the scale_inv of the 128-channel blocks they lie in, from
-    one row of 128-row blocks' scales (s_row)."""
-    if BLOCK_K <= 128:
-        return xk * tl.load(s_row + k0 // 128)
-    SUB: tl.constexpr = BLOCK_K // 128
-    blocks = k0 // 128 + tl.arange(0, SUB)
-    s = tl.load(s_row + blocks, mask=blocks < k_blocks, other=0.0)
-    return tl.reshape(tl.reshape(xk, (SUB, 128)) * s[:, None], (BLOCK_K,))
-
-
-@triton.jit
-def scaled_terms(w, xk, s_ptr, rows, rmask, row0, k_blocks: tl.constexpr, k0, SCALED: tl.constexpr,
-                 ONE_ROW_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The float32 terms w * xk[None, :] of a matrix-vector K step, w [BLOCK_N, BLOCK_K] as loaded (FP8 where
-    SCALED). Where a tile's rows (from row0) lie in one 128-row scale block (ONE_ROW_BLOCK), the scales multiply the
-    BLOCK_K activations rather than every weight, so an FP8 weight costs a bf16 one's instructions."""
-    if SCALED and ONE_ROW_BLOCK:
-        return w.to(tl.float32) * block_scaled(xk, s_ptr + (row0 // 128) * k_blocks, k_blocks, k0, BLOCK_K)[None, :]
-    return weight_tile(w, s_ptr, rows, rmask, k_blocks, k0, SCALED, BLOCK_N, BLOCK_K) * xk[None, :]
-
-
-@triton.jit
 def _direct_ffn_in_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, assignments, top_k, num_experts,
                           hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                           ACT: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -88,7 +65,6 @@ def _direct_ffn_in_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, assig
     tiles_n: tl.constexpr = (width + BLOCK_N - 1) // BLOCK_N
     k_blocks: tl.constexpr = (hidden + 127) // 128
     in_width: tl.constexpr = 2 * width if GATED else width
-    one_row_block: tl.constexpr = (128 % BLOCK_N == 0) and (width % BLOCK_N == 0 or not GATED)  # up rows from width
     a = tl.program_id(0) // tiles_n
     pid_n = tl.program_id(0) % tiles_n
     expert = tl.load(ids_ptr + a)
@@ -100,16 +76,14 @@ def _direct_ffn_in_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, assig
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_row + ks, mask=ks < hidden, other=0.0).to(tl.float32)
+            xk = tl.load(x_row + ks, mask=ks < hidden, other=0.0).to(tl.float32)[None, :]
             wmask = cmask[:, None] & (ks < hidden)[None, :]
             w = tl.load(w_base + cols[:, None].to(tl.int64) * hidden + ks[None, :], mask=wmask, other=0.0)
-            acc += scaled_terms(w, xk, s_base, cols, cmask, pid_n * BLOCK_N, k_blocks, k0, SCALED,
-                                one_row_block, BLOCK_N, BLOCK_K)
+            acc += weight_tile(w, s_base, cols, cmask, k_blocks, k0, SCALED, BLOCK_N, BLOCK_K) * xk
             if GATED:
                 up = width + cols
                 wu = tl.load(w_base + up[:, None].to(tl.int64) * hidden + ks[None, :], mask=wmask, other=0.0)
-                acc_up += scaled_terms(wu, xk, s_base, up, cmask, width + pid_n * BLOCK_N, k_blocks, k0,
-                                       SCALED, one_row_block, BLOCK_N, BLOCK_K)
+                acc_up += weight_tile(wu, s_base, up, cmask, k_blocks, k0, SCALED, BLOCK_N, BLOCK_K) * xk
         out = _bias_activation(tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :], bias_ptr, expert,
                                cols, cmask, width, HAS_BIAS, GATED, ACT)
         tl.store(out_ptr + a.to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
@@ -126,8 +100,7 @@ def _direct_ffn_out_kernel(a_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, 
     tiles_n: tl.constexpr = (hidden + BLOCK_N - 1) // BLOCK_N
     k_blocks: tl.constexpr = (width + 127) // 128
     a = tl.program_id(0) // tiles_n
-    col0 = (tl.program_id(0) % tiles_n) * BLOCK_N
-    cols = col0 + tl.arange(0, BLOCK_N)
+    cols = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < hidden
     expert = tl.load(ids_ptr + a)
     weight = tl.load(weights_ptr + a).to(tl.float32)
@@ -135,8 +108,7 @@ def _direct_ffn_out_kernel(a_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, 
     limit = tl.where(kept, width, 0)  # a dropped assignment reads nothing
     kept_cols = cols < tl.where(kept, hidden, 0)
     w_base = w_ptr + expert.to(tl.int64) * hidden * width
-    # a dropped assignment's id may lie outside 0..E-1: its scales are read from expert 0's and multiply zeros
-    s_base = s_ptr + tl.where(kept, expert, 0).to(tl.int64) * ((hidden + 127) // 128) * k_blocks
+    s_base = s_ptr + expert.to(tl.int64) * ((hidden + 127) // 128) * k_blocks
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, width, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -144,8 +116,7 @@ def _direct_ffn_out_kernel(a_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, 
         ak = tl.load(a_ptr + a.to(tl.int64) * width + ks, mask=kmask, other=0.0).to(tl.float32)
         w = tl.load(w_base + cols[:, None].to(tl.int64) * width + ks[None, :], mask=cmask[:, None] & kmask[None, :],
                     other=0.0)
-        acc += scaled_terms(w, ak, s_base, cols, kept_cols, col0, k_blocks, k0, SCALED, 128 % BLOCK_N == 0,
-                            BLOCK_N, BLOCK_K)
+        acc += weight_tile(w, s_base, cols, kept_cols, k_blocks, k0, SCALED, BLOCK_N, BLOCK_K) * ak[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + expert.to(tl.int64) * hidden + cols, mask=kept_cols, other=0.0).to(tl.float32)
