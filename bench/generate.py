@@ -46,7 +46,8 @@ bf16 model never holds more than the bf16 modes did, and --fp8-only's build one 
 With --sample every mode samples (HF's generate from its global generator, moecompile's from its seeded one), so the
 agree column counts tokens that match by chance. With --tiny on the CPU the moecompile modes skip inductor (the
 backend's passes still run). --attention-probe times one layer's decode attention over the cache (batch: the largest
-of --batches, the --context) as the compiled step calls SDPA and with each SDPA backend forced, in a table of its own.
+of --batches, the --context) as the compiled step calls SDPA, with each SDPA backend forced and on moecompile's
+split-KV kernel, each replayed from a CUDA graph, in a table of its own.
 """
 from __future__ import annotations
 
@@ -385,7 +386,25 @@ def profile_step(gen: Generator, ids, sampling: Sampling | None = None, steps: i
     lines = [f"kernel time per step {total_us / 1e3:.3f} ms in {launches:.0f} kernels; top kernels (ms per step):"]
     for e in kernels[:14]:
         lines.append(f"  {e.self_device_time_total / steps / 1e3:.3f}  x{e.count // steps}  {e.key[:100]}")
-    return "\n".join(lines)
+    return "\n".join(lines + autotuned_tiles())
+
+
+def autotuned_tiles() -> list[str]:
+    """The tiles the decode kernels' autotuners picked in this process, per autotuning key: a kernel slower in the
+    step than in bench/direct_experts.py may have picked others."""
+    from moecompile.kernels import triton_direct, triton_fp8_decode
+
+    tuners = {"direct": triton_direct.KERNELS,
+              "FP8 direct": (triton_fp8_decode._fp8_direct_in_tuned, triton_fp8_decode._fp8_direct_out_tuned),
+              "FP8 linear": (triton_fp8_decode._fp8_linear_matvec_tuned, triton_fp8_decode._fp8_linear_dot_tuned)}
+    lines = []
+    for label, kernels in tuners.items():
+        for tuner in kernels:
+            for key, config in tuner.cache.items():
+                tiles = "x".join(str(config.kwargs[k]) for k in ("BLOCK_N", "BLOCK_K"))
+                lines.append(f"  autotuned {label} {tuner.fn.__name__} {key[:len(tuner.keys)]}: {tiles}, "
+                             f"{config.num_warps} warps, {config.num_stages} stages")
+    return lines
 
 
 def generator_options(mode: str, inductor: bool) -> dict | None:
@@ -423,6 +442,7 @@ def attention_probe(name: str, config, batch: int, context: int, new: int, devic
     take it) and with each SDPA backend forced; against the floor of reading the filled cache once."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from moecompile.kernels import triton_decode_attention
     from moecompile.passes.gqa_attention import fused_kernel_takes_gqa
 
     heads, kv, key_dim, value_dim = kv_widths(config)
@@ -431,6 +451,8 @@ def attention_probe(name: str, config, batch: int, context: int, new: int, devic
     q, k, v = (torch.randn(batch, h, s, d, generator=rng, device=device, dtype=dtype)
                for h, s, d in ((heads, 1, key_dim), (kv, length, key_dim), (kv, length, value_dim)))
     mask = (torch.arange(length, device=device) < filled).expand(batch, 1, 1, length).contiguous()
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                            enable_gqa=n > 1)
 
     def repeat(x):  # HF's repeat_kv, which the graph runs at every step
         return x[:, :, None].expand(batch, kv, n, *x.shape[2:]).reshape(batch, heads, *x.shape[2:])
@@ -463,7 +485,7 @@ def attention_probe(name: str, config, batch: int, context: int, new: int, devic
                 try:
                     with sdpa_kernel([getattr(SDPBackend, backend)]) if backend else contextlib.nullcontext():
                         attend()  # a warm-up call outside the timing (cuDNN builds its plan on the first)
-                        seconds = timed(lambda: [attend() for _ in range(iters)], device, 3) / iters
+                        seconds = replayed_seconds(attend, device, iters)
                 except RuntimeError as exc:
                     reasons = "; ".join(why for w in caught if (why := sdpa_reason(str(w.message))))
                     reasons = reasons or str(exc).splitlines()[0]
@@ -472,7 +494,30 @@ def attention_probe(name: str, config, batch: int, context: int, new: int, devic
                     continue
             rows.append(f"| {name} | {batch} x {filled} | {cell} | {which} | {seconds * 1e3:.3f} | "
                         f"{seconds * bandwidth / cache_read:.2f} | {cache_read / seconds / 1e9:.0f} |")
+    # moecompile's split-KV kernel (not yet in the runtime) on the same cache and mask: runs that fill the GPU, or one
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1
+    for splits in sorted({max(1, min(-(-length // 64), -(-2 * sms // (batch * kv)))), 1}, reverse=True):
+        def ours():
+            return triton_decode_attention.decode_attention(q, k, v, mask[:, 0, 0], key_dim ** -0.5, splits)
+
+        err = (ours().float() - want).norm() / want.norm()
+        seconds = replayed_seconds(ours, device, iters)
+        rows.append(f"| {name} | {batch} x {filled} | the cache with its mask | moecompile split-KV kernel, runs: "
+                    f"{splits}, err {err:.1e} | {seconds * 1e3:.3f} | {seconds * bandwidth / cache_read:.2f} | "
+                    f"{cache_read / seconds / 1e9:.0f} |")
     return rows
+
+
+def replayed_seconds(fn, device: str, iters: int) -> float:
+    """Seconds per call of fn: on CUDA `iters` calls recorded as one CUDA graph and replayed (a decode step's
+    kernels run that way, so the host's launch cost stays out), elsewhere called eagerly."""
+    if device != "cuda":
+        return timed(lambda: [fn() for _ in range(iters)], device, 3) / iters
+    from moecompile.runtime import graphs
+
+    graph, _ = graphs.capture(lambda: [fn() for _ in range(iters)])
+    graph.replay()
+    return timed(graph.replay, device, 3) / iters
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moecompile.kernels import triton_direct, triton_fp8, triton_fp8_decode, triton_moe, triton_routing
+from moecompile.kernels import (triton_decode_attention, triton_direct, triton_fp8, triton_fp8_decode, triton_moe,
+                                triton_routing)
 
 TARGET = GPUTarget("cuda", 90, 32)
 BF16 = "*bf16"
@@ -125,6 +126,14 @@ def cases():
     yield (triton_fp8_decode._sum_splits_kernel, "4 splits + bias", {"partial_ptr": "*fp32", "bias_ptr": BF16,
                                                                       "out_ptr": BF16},
            dict(SPLITS=4, HAS_BIAS=True, BLOCK=1024), {})
+    partials = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+    attend = {"q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "mask_ptr": "*u8", "scale": "fp32", **partials}
+    for kv, group, label in ((4, 8, "Qwen3-30B-A3B heads (32 over 4)"), (8, 4, "Mixtral heads (32 over 8)")):
+        yield (triton_decode_attention._attend_run_kernel, label, attend,
+               dict(kv_heads=kv, group=group, key_dim=128, value_dim=128, BLOCK_G=16, BLOCK_L=64, BLOCK_D=128,
+                    BLOCK_DV=128), dict(num_warps=4))
+    yield (triton_decode_attention._merge_runs_kernel, "16 runs", {**partials, "out_ptr": BF16},
+           dict(value_dim=128, BLOCK_S=16, BLOCK_DV=128), {})
 
 
 if __name__ == "__main__":

@@ -96,6 +96,8 @@ def test_fp8_against_bf16_and_attention_probe_tiny(bench, tmp_path):
     probe = [r for r in rows_of(text) if r[0] == "qwen3-30b-a3b" and len(r) == 7]
     assert sum("(the compiled step)" in r[2] and r[3].startswith("default: ") for r in probe) == 1
     assert any(r[3] == "forced MATH" and float(r[4]) > 0 for r in probe)
+    ours = [r for r in probe if r[3].startswith("moecompile split-KV kernel")]  # against float32 SDPA, tiny widths
+    assert ours and all(float(r[3].split("err ")[1]) < 1e-5 and float(r[4]) > 0 for r in ours)
 
 
 def test_fp8_only_builds_the_model_in_fp8(bench):
