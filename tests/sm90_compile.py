@@ -8,8 +8,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moecompile.kernels import (triton_decode_attention, triton_direct, triton_fp8, triton_fp8_decode, triton_moe,
-                                triton_routing)
+from moecompile.kernels import (
+    triton_decode_attention,
+    triton_direct,
+    triton_fp8,
+    triton_fp8_decode,
+    triton_moe,
+    triton_routing,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 BF16 = "*bf16"
