@@ -5,7 +5,8 @@ flash-decoding does): each key/value head is read once for all its query heads.
 
 Launch 1, one program per (sequence, key/value head, run of positions): the online softmax of the head's n query
 heads over its run (a tensor-core dot of the query heads, padded to 16, against each block of keys), written as
-partial (max, sum, weighted values). Launch 2 merges the runs in a fixed order (deterministic) and divides.
+partial (max, sum, weighted values). Launch 2 merges the runs in a fixed order (deterministic) and divides; with
+one run the first launch divides and writes the output itself.
 A row whose mask keeps no position gives 0 (SDPA gives NaN there; a decode step always keeps its own token).
 Not yet called by the runtime: bench/generate.py --attention-probe times it beside SDPA's backends.
 """
@@ -19,10 +20,11 @@ def _attend_run_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, sca
                        k_strides_b, k_strides_h, k_strides_l, v_strides_b, v_strides_h, v_strides_l, mask_stride_b,
                        splits, kv_heads: tl.constexpr, group: tl.constexpr, key_dim: tl.constexpr,
                        value_dim: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WHOLE: tl.constexpr):
     """Partials of program (b * kv_heads + head, split) over positions [split * run, min(+run, length)): per query
     head g of the group, m = the largest score, l = sum of exp(score - m), acc = sum of exp(score - m) v, at
-    [(b * kv_heads + head) * group + g, split] (acc: times value_dim)."""
+    [(b * kv_heads + head) * group + g, split] (acc: times value_dim). WHOLE (one run over all positions): the
+    attention output acc / l itself, in acc_ptr's dtype at [(b * kv_heads + head) * group + g] (no merge launch)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // kv_heads
@@ -58,9 +60,13 @@ def _attend_run_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, sca
         m_i = m_new
     out = rows * splits + split
     live = g < group
-    tl.store(m_ptr + out, m_i, mask=live)
-    tl.store(l_ptr + out, l_i, mask=live)
-    tl.store(acc_ptr + out[:, None] * value_dim + dv[None, :], acc, mask=live[:, None] & (dv < value_dim)[None, :])
+    if WHOLE:
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    else:
+        tl.store(m_ptr + out, m_i, mask=live)
+        tl.store(l_ptr + out, l_i, mask=live)
+    tl.store(acc_ptr + out[:, None] * value_dim + dv[None, :], acc.to(acc_ptr.dtype.element_ty),
+             mask=live[:, None] & (dv < value_dim)[None, :])
 
 
 @triton.jit
@@ -97,17 +103,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     run = triton.cdiv(triton.cdiv(length, block_l), max(1, splits)) * block_l
     splits = max(1, triton.cdiv(length, run))
     rows = batch * heads
-    m = q.new_empty(rows, splits, dtype=torch.float32)
-    total = torch.empty_like(m)
-    acc = q.new_empty(rows, splits, value_dim, dtype=torch.float32)
     out = q.new_empty(batch, heads, 1, value_dim)
+    whole = splits == 1  # one run: the first launch writes the output
+    m = q.new_empty(0 if whole else rows, splits, dtype=torch.float32)
+    total = torch.empty_like(m)
+    acc = out if whole else q.new_empty(rows, splits, value_dim, dtype=torch.float32)
     block_d, block_dv = (max(16, triton.next_power_of_2(n)) for n in (key_dim, value_dim))
     _attend_run_kernel[(batch * kv_heads, splits)](
         q.contiguous(), k, v, mask.view(torch.uint8), m, total, acc, scale, length, run,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), mask.stride(0), splits,
         kv_heads=kv_heads, group=group, key_dim=key_dim, value_dim=value_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_L=block_l, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        num_warps=num_warps)
-    _merge_runs_kernel[(rows,)](m, total, acc, out, splits, value_dim=value_dim,
-                                BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=block_dv)
+        WHOLE=whole, num_warps=num_warps)
+    if not whole:
+        _merge_runs_kernel[(rows,)](m, total, acc, out, splits, value_dim=value_dim,
+                                    BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=block_dv)
     return out
