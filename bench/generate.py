@@ -24,6 +24,8 @@ Modes, all in one run:
   moecompile-sorted  the same without the direct_experts pass: the sorted experts at decode (not in the default list)
   moecompile-repeat-kv the same without the gqa_attention pass: HF's repeated key/value heads (not in the default list)
   moecompile-gemm    the same without decode_matvec: cuBLAS GEMMs for the one-token linears (not in the default list)
+  moecompile-split-kv the same with option decode_attention: the step's attention on moecompile's split-KV kernel
+                     instead of SDPA (not in the default list)
 Floor: the bytes one decode step must read, at the copy bandwidth measured in the same run. Weights: every parameter
 except the embedding table, of which one row per sequence; expert tensors weighted by the expected fraction of experts
 the batch hits under uniform routing, 1 - (1 - k/E)^batch; FP8 tensors at one byte per element plus a float32 scale
@@ -110,7 +112,7 @@ FP8_MODES = (FP8_MODE, FP8_HEAD_MODE)  # on the FP8 model: after the bf16 modes,
 GENERATOR_OPTIONS = {"moecompile": {}, FP8_MODE: {}, FP8_HEAD_MODE: {"fp8_linears": True},
                      "moecompile-unfused": {"fuse_projections": False},
                      "moecompile-sorted": {"direct_experts": False}, "moecompile-repeat-kv": {"gqa_attention": False},
-                     "moecompile-gemm": {"decode_matvec": False}}
+                     "moecompile-gemm": {"decode_matvec": False}, "moecompile-split-kv": {"decode_attention": True}}
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 ROUTER_SUFFIXES = (".gate.weight", ".router.weight")  # routers: not linears in transformers' FP8 layout
 FP8_BLOCK = 128

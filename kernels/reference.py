@@ -371,6 +371,21 @@ def linear_fp8(x, weight, weight_scale_inv, bias):
     return torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
 
 
+# ---- decode_attention: one query token per sequence over a key/value cache (what the decode_attention pass emits)
+
+def decode_attention(query, key, value, attn_mask, scale: float):
+    """softmax(scale q k^T + mask) v in float32, key/value head h // n for query head h (n = H / KV), 0 for a row
+    whose mask keeps nothing; output in query's dtype."""
+    n = query.shape[1] // key.shape[1]
+    k, v = (t.float().repeat_interleave(n, dim=1) for t in (key, value))
+    scores = (query.float() @ k.transpose(-1, -2)) * scale
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    kept = torch.isfinite(scores).any(-1, keepdim=True)
+    weights = torch.softmax(torch.where(kept, scores, 0.0), dim=-1) * kept
+    return (weights @ v).to(query.dtype)
+
+
 # ---- route_dispatch: router linear + route_grouped + dispatch as one op (what fuse_route_dispatch emits)
 
 def router_logits(hidden, router_weight, router_bias, logits_fp32: bool):

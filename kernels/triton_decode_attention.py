@@ -14,13 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # q / k / v dtypes the kernel takes (math: float32)
+
 
 @triton.jit
 def _attend_run_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, scale, length, run,
                        k_strides_b, k_strides_h, k_strides_l, v_strides_b, v_strides_h, v_strides_l, mask_stride_b,
                        splits, kv_heads: tl.constexpr, group: tl.constexpr, key_dim: tl.constexpr,
                        value_dim: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WHOLE: tl.constexpr):
+                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WHOLE: tl.constexpr, HAS_MASK: tl.constexpr):
     """Partials of program (b * kv_heads + head, split) over positions [split * run, min(+run, length)): per query
     head g of the group, m = the largest score, l = sum of exp(score - m), acc = sum of exp(score - m) v, at
     [(b * kv_heads + head) * group + g, split] (acc: times value_dim). WHOLE (one run over all positions): the
@@ -45,7 +47,9 @@ def _attend_run_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, sca
     for p0 in range(start, end, BLOCK_L):
         pos = p0 + tl.arange(0, BLOCK_L)
         inside = pos < end
-        keep = inside & (tl.load(mask_ptr + b.to(tl.int64) * mask_stride_b + pos, mask=inside, other=0) != 0)
+        keep = inside
+        if HAS_MASK:
+            keep = keep & (tl.load(mask_ptr + b.to(tl.int64) * mask_stride_b + pos, mask=inside, other=0) != 0)
         k = tl.load(k_base + pos[:, None].to(tl.int64) * k_strides_l + d[None, :],
                     mask=inside[:, None] & (d < key_dim)[None, :], other=0.0)
         scores = tl.where(keep[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))  # [BLOCK_G, BLOCK_L]
@@ -87,18 +91,21 @@ def _merge_runs_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, splits, value_dim: tl.con
     tl.store(out_ptr + row * value_dim + dv, y.to(out_ptr.dtype.element_ty), mask=dv < value_dim)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                      splits: int, block_l: int = 64, num_warps: int = 4) -> torch.Tensor:
     """q [B, H, 1, Dk] (one query token), k [B, KV, L, Dk], v [B, KV, L, Dv] (H a multiple of KV; the last dimension
-    contiguous), mask [B, L] bool (True: attend; a stride-0 batch dimension is fine) -> [B, H, 1, Dv] in q's dtype.
-    The L positions are cut into `splits` runs of whole BLOCK_L blocks (fewer where L has fewer blocks)."""
+    contiguous), mask [B, L] bool (True: attend; positions contiguous, a stride-0 batch dimension is fine) or None
+    (every position) -> [B, H, 1, Dv] in q's dtype. The L positions are cut into `splits` runs of whole BLOCK_L
+    blocks (fewer where L has fewer blocks)."""
     batch, heads, queries, key_dim = q.shape
     _, kv_heads, length, value_dim = v.shape
     if queries != 1 or heads % kv_heads or k.shape[:3] != v.shape[:3] or k.shape[-1] != key_dim:
         raise ValueError(f"decode_attention takes one query token and H a multiple of KV, got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or mask.shape != (batch, length):
-        raise ValueError("decode_attention needs contiguous head dimensions and a [B, L] mask")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or (mask is not None and (mask.shape != (batch, length)
+                                                                       or mask.stride(-1) != 1)):
+        raise ValueError("decode_attention needs contiguous head dimensions and a [B, L] mask of contiguous "
+                         "positions")
     group = heads // kv_heads
     run = triton.cdiv(triton.cdiv(length, block_l), max(1, splits)) * block_l
     splits = max(1, triton.cdiv(length, run))
@@ -110,11 +117,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     acc = out if whole else q.new_empty(rows, splits, value_dim, dtype=torch.float32)
     block_d, block_dv = (max(16, triton.next_power_of_2(n)) for n in (key_dim, value_dim))
     _attend_run_kernel[(batch * kv_heads, splits)](
-        q.contiguous(), k, v, mask.view(torch.uint8), m, total, acc, scale, length, run,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), mask.stride(0), splits,
+        q.contiguous(), k, v, q if mask is None else mask.view(torch.uint8), m, total, acc, scale, length, run,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        0 if mask is None else mask.stride(0), splits,
         kv_heads=kv_heads, group=group, key_dim=key_dim, value_dim=value_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_L=block_l, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        WHOLE=whole, num_warps=num_warps)
+        WHOLE=whole, HAS_MASK=mask is not None, num_warps=num_warps)
     if not whole:
         _merge_runs_kernel[(rows,)](m, total, acc, out, splits, value_dim=value_dim,
                                     BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=block_dv)

@@ -36,6 +36,8 @@ OPTIONS = {
                                      "over weights concatenated once (inference graphs)"),
     "gqa_attention": (bool, True, "gqa_attention: attention over repeated key/value heads as SDPA's grouped-query "
                                   "attention where a fused kernel takes it (inference graphs)"),
+    "decode_attention": (bool, None, "decode_attention: one query token's attention over the cache as moecompile's "
+                                     "split-KV kernel instead of SDPA (inference graphs; off until measured faster)"),
     "decode_matvec": (bool, True, "at one token (a batch-1 decode step) inductor computes the linears as "
                                   "matrix-vector reductions tuned by coordinate descent and fused with their "
                                   "neighbours, instead of GEMM library calls (inference graphs)"),
@@ -231,8 +233,9 @@ def compile(model, *, fullgraph: bool = False, dynamic: bool | None = None, **op
     """torch.compile(model, backend="moecompile", options=options), without going through the entry point.
 
     Options (see OPTIONS): inductor, mode, inductor_config, fuse, direct_experts, fuse_projections, gqa_attention,
-    decode_matvec, capacity_factor, print_graph, fp8, fp8_linears, expert_parallel. A Hugging Face FineGrainedFP8
-    model's FP8 modules are first put on moecompile's FP8 ops (moecompile.integrations.finegrained_fp8.enable)."""
+    decode_attention, decode_matvec, capacity_factor, print_graph, fp8, fp8_linears, expert_parallel. A Hugging Face
+    FineGrainedFP8 model's FP8 modules are first put on moecompile's FP8 ops
+    (moecompile.integrations.finegrained_fp8.enable)."""
     from moecompile.integrations import finegrained_fp8
 
     options = {**recorded_options(model), **options}

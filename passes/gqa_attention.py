@@ -23,7 +23,7 @@ _ALL = slice(None, None, None)
 _UNSQUEEZE_2 = (_ALL, _ALL, None, _ALL, _ALL)  # x[:, :, None, :, :]
 
 
-def _repeated_heads(node: fx.Node) -> tuple[fx.Node, int] | None:
+def repeated_heads(node: fx.Node) -> tuple[fx.Node, int] | None:
     """(the [b, kv, L, d] tensor, n) when node is repeat_kv's reshape(expand(x[:, :, None])) of it, n > 1."""
     if kind(node) != "view" or kind(node.args[0]) != "expand":
         return None
@@ -62,7 +62,7 @@ def gqa_attention(gm: fx.GraphModule, ctx) -> dict:
     for node in [n for n in graph.nodes if kind(n) == "sdpa"]:
         if arg(node, "enable_gqa"):
             continue
-        k_heads, v_heads = (_repeated_heads(arg(node, name)) for name in ("key", "value"))
+        k_heads, v_heads = (repeated_heads(arg(node, name)) for name in ("key", "value"))
         if k_heads is None or v_heads is None or k_heads[1] != v_heads[1]:
             continue
         k, v = k_heads[0], v_heads[0]
@@ -74,10 +74,16 @@ def gqa_attention(gm: fx.GraphModule, ctx) -> dict:
         set_arg(node, "key", k)
         set_arg(node, "value", v)
         set_arg(node, "enable_gqa", True)
-        for step in repeated:  # the reshape, expand and indexing, once nothing else reads them
-            while step.op in ("call_function", "call_method") and not step.users and step not in (k, v):
-                source = step.args[0]
-                graph.erase_node(step)
-                step = source
+        for step in repeated:
+            erase_unused_chain(graph, step, keep=(k, v))
         rewritten.append(node.name)
     return {"rewritten": rewritten}
+
+
+def erase_unused_chain(graph: fx.Graph, step: fx.Node, keep: tuple) -> None:
+    """Erase step and the ops it reads through its first argument (repeat_kv's reshape, expand and indexing), up to
+    a node in keep or one something else still reads."""
+    while step.op in ("call_function", "call_method") and not step.users and step not in keep:
+        source = step.args[0]
+        graph.erase_node(step)
+        step = source

@@ -17,6 +17,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 from moecompile.core import settings
+from moecompile.passes.decode_attention import decode_attention
 from moecompile.passes.direct_experts import direct_experts
 from moecompile.passes.find_ffn import find_ffn
 from moecompile.passes.fuse_projections import fuse_projections
@@ -38,13 +39,13 @@ PIPELINES = {
     "convert": [find_ffn, moeize, insert_fp8, insert_all_to_all],
     # Dynamo graphs in the torch.compile backend: existing MoE blocks -> moecompile ops, then their optimisation
     # (keep_first_projection only in training graphs; direct_experts, gather_expert_rows, fuse_projections,
-    # gqa_attention only in inference graphs; gather_expert_rows after fuse_route_dispatch, whose rows it reads, and
-    # after insert_fp8 and insert_all_to_all, which read the rows themselves; insert_fp8_linears after
-    # fuse_projections, so that a fused weight is quantised whole, and matvec_fp8_linears after both, over every FP8
-    # linear the graph then has).
+    # gqa_attention and decode_attention only in inference graphs; gather_expert_rows after fuse_route_dispatch, whose
+    # rows it reads, and after insert_fp8 and insert_all_to_all, which read the rows themselves; insert_fp8_linears
+    # after fuse_projections, so that a fused weight is quantised whole, and matvec_fp8_linears after both, over every
+    # FP8 linear the graph then has; decode_attention after gqa_attention, taking SDPA in either form).
     "compile": [recognise_moe, set_capacity, direct_experts, fuse_route_dispatch, insert_fp8, insert_all_to_all,
                 gather_expert_rows, keep_first_projection, fuse_projections, insert_fp8_linears, matvec_fp8_linears,
-                gqa_attention],
+                gqa_attention, decode_attention],
 }
 PIPELINE = PIPELINES["convert"]
 
@@ -54,7 +55,7 @@ GATES = {set_capacity: ("capacity_factor", None), direct_experts: ("direct_exper
          insert_fp8: ("fp8", None), insert_fp8_linears: ("fp8_linears", None),
          insert_all_to_all: ("expert_parallel", None),
          fuse_projections: ("fuse_projections", True), matvec_fp8_linears: ("decode_matvec", True),
-         gqa_attention: ("gqa_attention", True)}
+         gqa_attention: ("gqa_attention", True), decode_attention: ("decode_attention", None)}
 
 
 class GraphCheckError(RuntimeError):

@@ -47,6 +47,8 @@ QUACK_KERNELS = ("quack", "quack_gathered")
 # Decode routing: top-k and dispatch in one launch, except one token over more experts than this, where the one-warp
 # top-k kernel and then the dispatch kernel measured faster (bench/route_dispatch.py).
 ONE_LAUNCH_ROUTE_MAX_EXPERTS_AT_ONE_TOKEN = 64
+DECODE_ATTENTION_BLOCK = 64  # cache positions per step of the decode attention kernel
+DECODE_ATTENTION_PROGRAMS_PER_SM = 2  # not yet tuned on a GPU
 
 
 # FP8 linears (option fp8_linears): up to this many rows (decode) the weight-only Triton kernel reads the FP8 weights
@@ -67,6 +69,13 @@ def fp8_linear_splits(rows: int, n: int, k: int, sms: int) -> int:
     affordable = int(data["max_partial_share"] * k / (8 * max(rows, 1)))
     splits = max(1, min(wanted, affordable, -(-k // 128)))
     return 1 << (splits.bit_length() - 1)
+
+
+def decode_attention_runs(batch: int, kv_heads: int, length: int, sms: int) -> int:
+    """How many runs of cache positions the decode attention kernel splits each key/value head's positions into:
+    enough programs for DECODE_ATTENTION_PROGRAMS_PER_SM per SM, at most one per block of positions."""
+    blocks = -(-length // DECODE_ATTENTION_BLOCK)
+    return max(1, min(blocks, -(-DECODE_ATTENTION_PROGRAMS_PER_SM * sms // max(1, batch * kv_heads))))
 
 
 def one_launch_route(tokens: int, num_experts: int) -> bool:

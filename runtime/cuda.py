@@ -9,7 +9,15 @@ reads them.
 """
 import torch
 
-from moecompile.kernels import grouped_mm, quack_gemm, reference, triton_direct, triton_moe, triton_routing
+from moecompile.kernels import (
+    grouped_mm,
+    quack_gemm,
+    reference,
+    triton_decode_attention,
+    triton_direct,
+    triton_moe,
+    triton_routing,
+)
 from moecompile.runtime import choices, fp8
 from moecompile.runtime.registry import KEPT_H, register_kernel
 
@@ -231,6 +239,18 @@ def routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation:
                                     weights)
 
 
+def decode_attention(query, key, value, attn_mask, scale: float):
+    batch, kv_heads, length, value_dim = value.shape
+    mask = None if attn_mask is None else attn_mask[:, 0, 0].expand(batch, length)
+    if (query.dtype not in triton_decode_attention.DTYPES or max(query.shape[-1], value_dim) > 256
+            or key.stride(-1) != 1 or value.stride(-1) != 1 or (mask is not None and mask.stride(-1) != 1)):
+        return reference.decode_attention(query, key, value, attn_mask, scale)
+    runs = choices.decode_attention_runs(batch, kv_heads, length,
+                                         torch.cuda.get_device_properties(query.device).multi_processor_count)
+    return triton_decode_attention.decode_attention(query, key, value, mask, scale, runs,
+                                                    block_l=choices.DECODE_ATTENTION_BLOCK)
+
+
 def combine(expert_out, order, weights):
     return triton_moe.combine(expert_out, order, weights)
 
@@ -244,8 +264,8 @@ def dispatch_backward(grad_sorted, order, tokens: int, top_k: int):
 
 
 for _op in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_gathered", "experts_train",
-            "routed_experts", "combine", "combine_backward", "dispatch_backward", "experts_combine_train",
-            "experts_combine_backward", "experts_combine_backward_reads_y"):
+            "routed_experts", "decode_attention", "combine", "combine_backward", "dispatch_backward",
+            "experts_combine_train", "experts_combine_backward", "experts_combine_backward_reads_y"):
     register_kernel(_op, "cuda", globals()[_op])
 register_kernel("experts_backward", "cuda", experts_backward, supports={KEPT_H})
 register_kernel("quantize_fp8", "cuda", fp8.quantize_fp8)

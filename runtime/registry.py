@@ -91,8 +91,8 @@ def registered_kernels() -> dict[tuple[str, str], Callable]:
 
 for _op in ("route", "route_backward", "dispatch", "dispatch_backward", "combine", "combine_backward",
             "route_grouped", "route_grouped_backward", "route_dispatch", "route_dispatch_backward", "experts_gathered",
-            "quantize_fp8", "experts_fp8", "routed_experts_fp8", "linear_fp8", "experts_combine_train",
-            "experts_combine_backward", "experts_combine_backward_reads_y"):
+            "quantize_fp8", "experts_fp8", "routed_experts_fp8", "linear_fp8", "decode_attention",
+            "experts_combine_train", "experts_combine_backward", "experts_combine_backward_reads_y"):
     register_kernel(_op, REFERENCE, getattr(reference, _op))
 for _op in ("experts", "experts_train", "routed_experts"):
     register_kernel(_op, REFERENCE, getattr(reference, _op), supports={INTERLEAVED})

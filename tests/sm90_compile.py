@@ -134,11 +134,11 @@ def cases():
            dict(SPLITS=4, HAS_BIAS=True, BLOCK=1024), {})
     partials = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
     attend = {"q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "mask_ptr": "*u8", "scale": "fp32", **partials}
-    for kv, group, whole, label in ((4, 8, True, "Qwen3-30B-A3B heads (32 over 4), one run"),
-                                    (8, 4, False, "Mixtral heads (32 over 8), runs to merge")):
+    for kv, group, whole, label in ((4, 8, True, "Qwen3-30B-A3B heads (32 over 4), one run, no mask"),
+                                    (8, 4, False, "Mixtral heads (32 over 8), runs to merge, a mask")):
         yield (triton_decode_attention._attend_run_kernel, label, {**attend, "acc_ptr": BF16} if whole else attend,
                dict(kv_heads=kv, group=group, key_dim=128, value_dim=128, BLOCK_G=16, BLOCK_L=64, BLOCK_D=128,
-                    BLOCK_DV=128, WHOLE=whole), dict(num_warps=4))
+                    BLOCK_DV=128, WHOLE=whole, HAS_MASK=not whole), dict(num_warps=4))
     yield (triton_decode_attention._merge_runs_kernel, "16 runs", {**partials, "out_ptr": BF16},
            dict(value_dim=128, BLOCK_S=16, BLOCK_DV=128), {})
 

@@ -48,6 +48,14 @@ def test_decode_attention_reads_a_cache_slice_and_a_broadcast_mask():
     torch.testing.assert_close(got, _reference(q, k, v, mask, 0.25), rtol=1e-5, atol=1e-5)
 
 
+def test_decode_attention_without_a_mask_attends_everywhere():
+    q, k, v, _ = _inputs(2, 8, 4, 50, 16, 16, seed=8)
+    for splits in (1, 3):
+        got = A.decode_attention(q, k, v, None, 0.3, splits=splits, block_l=16)
+        torch.testing.assert_close(got, _reference(q, k, v, torch.ones(2, 50, dtype=torch.bool), 0.3), rtol=1e-5,
+                                   atol=1e-5)
+
+
 def test_decode_attention_of_a_row_that_keeps_nothing_is_zero():
     """Every run of the first sequence is masked out (SDPA would give NaN); the second keeps only its last token."""
     q, k, v, mask = _inputs(2, 4, 2, 48, 16, 16, seed=6)

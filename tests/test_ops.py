@@ -11,7 +11,8 @@ from moecompile.runtime.registry import kernel_for, register_kernel, registered_
 OPS = torch.ops.moecompile
 OP_NAMES = ("route", "route_backward", "dispatch", "dispatch_backward", "experts", "experts_train", "experts_backward",
             "combine", "combine_backward", "route_grouped", "route_grouped_backward", "route_dispatch",
-            "route_dispatch_backward", "experts_combine_train", "experts_combine_backward", "experts_gathered")
+            "route_dispatch_backward", "experts_combine_train", "experts_combine_backward", "experts_gathered",
+            "decode_attention")
 
 
 def gen(seed):
@@ -552,7 +553,7 @@ def test_cuda_kernels_load_on_first_use_and_reference_can_be_forced(monkeypatch)
     from moecompile.runtime import fp8
 
     for name in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_gathered",
-                 "experts_backward", "combine", "combine_backward", "dispatch_backward"):
+                 "experts_backward", "combine", "combine_backward", "dispatch_backward", "decode_attention"):
         assert kernel_for(name, "cuda") is getattr(C, name)
     for name in ("quantize_fp8", "experts_fp8", "routed_experts_fp8", "linear_fp8"):
         assert kernel_for(name, "cuda") is getattr(fp8, name)

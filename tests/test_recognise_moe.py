@@ -115,7 +115,8 @@ def test_dense_model_has_nothing_to_recognise():
                                  "fuse_projections": {"fused": []},  # no real inputs given
                                  "insert_fp8_linears": {"skipped": "off (option fp8_linears=None)"},
                                  "matvec_fp8_linears": {"skipped": "no FP8 linear"},
-                                 "gqa_attention": {"rewritten": []}}
+                                 "gqa_attention": {"rewritten": []},
+                                 "decode_attention": {"skipped": "off (option decode_attention=None)"}}
     assert len(gm.graph.nodes) == nodes
 
 
@@ -217,7 +218,7 @@ def test_compile_pipeline_is_one_ordered_list():
                                                           "gather_expert_rows", "keep_first_projection",
                                                           "fuse_projections",
                                                           "insert_fp8_linears", "matvec_fp8_linears",
-                                                          "gqa_attention"]
+                                                          "gqa_attention", "decode_attention"]
     assert [p.__name__ for p in PIPELINES["convert"]] == ["find_ffn", "moeize", "insert_fp8", "insert_all_to_all"]
 
 

@@ -595,6 +595,25 @@ def _(x, weight, weight_scale_inv, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+# ---- decode_attention: attention of one query token per sequence over a key/value cache (emitted by the
+# decode_attention pass in place of SDPA)
+
+@torch.library.custom_op("moecompile::decode_attention", mutates_args=())
+def decode_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], scale: float) -> Tensor:
+    """query [B, H, 1, Dk], key [B, KV, L, Dk], value [B, KV, L, Dv] (H a multiple of KV: query head h reads
+    key/value head h // (H / KV)), attn_mask [B or 1, 1, 1, L] bool (True: attend) or None -> [B, H, 1, Dv] in
+    query's dtype: softmax(scale q k^T + mask) v. A row that attends to nothing gives 0. Inference only."""
+    if query.dim() != 4 or query.shape[2] != 1 or query.shape[1] % key.shape[1]:
+        raise ValueError(f"moecompile::decode_attention: one query token and H a multiple of KV, got query "
+                         f"{tuple(query.shape)}, key {tuple(key.shape)}")
+    return _kernel("decode_attention", query)(query, key, value, attn_mask, scale)
+
+
+@decode_attention.register_fake
+def _(query, key, value, attn_mask, scale):
+    return query.new_empty(*query.shape[:3], value.shape[-1])
+
+
 def _no_backward(op_name: str, why: str = "the FP8 ops have no backward",
                  then: str = ", or moecompile.ir.fp8.dequantize(model) to train it"):
     def backward(ctx, *grads):
@@ -607,6 +626,8 @@ quantize_fp8.register_autograd(_no_backward("quantize_fp8"), setup_context=lambd
 experts_fp8.register_autograd(_no_backward("experts_fp8"), setup_context=lambda ctx, inputs, output: None)
 routed_experts_fp8.register_autograd(_no_backward("routed_experts_fp8"), setup_context=lambda ctx, inputs, output: None)
 linear_fp8.register_autograd(_no_backward("linear_fp8"), setup_context=lambda ctx, inputs, output: None)
+decode_attention.register_autograd(_no_backward("decode_attention", "a decode step's attention", then=""),
+                                   setup_context=lambda ctx, inputs, output: None)
 experts_gathered.register_autograd(
     _no_backward("experts_gathered", "a training graph keeps dispatch's row copy", then=""),
     setup_context=lambda ctx, inputs, output: None)
