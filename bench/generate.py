@@ -446,6 +446,7 @@ def attention_probe(name: str, config, batch: int, context: int, new: int, devic
 
     from moecompile.kernels import triton_decode_attention
     from moecompile.passes.gqa_attention import fused_kernel_takes_gqa
+    from moecompile.runtime import choices
 
     heads, kv, key_dim, value_dim = kv_widths(config)
     length, filled, n = context + new, context + 1, heads // kv
@@ -496,11 +497,12 @@ def attention_probe(name: str, config, batch: int, context: int, new: int, devic
                     continue
             rows.append(f"| {name} | {batch} x {filled} | {cell} | {which} | {seconds * 1e3:.3f} | "
                         f"{seconds * bandwidth / cache_read:.2f} | {cache_read / seconds / 1e9:.0f} |")
-    # moecompile's split-KV kernel (not yet in the runtime) on the same cache and mask: runs that fill the GPU, or one
+    # moecompile's split-KV kernel (option decode_attention) on the same cache and mask: the runtime's runs, and one
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1
-    for splits in sorted({max(1, min(-(-length // 64), -(-2 * sms // (batch * kv)))), 1}, reverse=True):
+    for splits in sorted({choices.decode_attention_runs(batch, kv, length, sms), 1}, reverse=True):
         def ours():
-            return triton_decode_attention.decode_attention(q, k, v, mask[:, 0, 0], key_dim ** -0.5, splits)
+            return triton_decode_attention.decode_attention(q, k, v, mask[:, 0, 0], key_dim ** -0.5, splits,
+                                                            block_l=choices.DECODE_ATTENTION_BLOCK)
 
         err = (ours().float() - want).norm() / want.norm()
         seconds = replayed_seconds(ours, device, iters)

@@ -8,7 +8,8 @@ heads over its run (a tensor-core dot of the query heads, padded to 16, against 
 partial (max, sum, weighted values). Launch 2 merges the runs in a fixed order (deterministic) and divides; with
 one run the first launch divides and writes the output itself.
 A row whose mask keeps no position gives 0 (SDPA gives NaN there; a decode step always keeps its own token).
-Not yet called by the runtime: bench/generate.py --attention-probe times it beside SDPA's backends.
+The op moecompile::decode_attention runs it on CUDA under option decode_attention, off by default until
+bench/generate.py (--attention-probe, mode moecompile-split-kv) shows it ahead of SDPA's backends.
 """
 import torch
 import triton
