@@ -117,6 +117,7 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 ROUTER_SUFFIXES = (".gate.weight", ".router.weight")  # routers: not linears in transformers' FP8 layout
 FP8_BLOCK = 128
 PROBE_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+PROBE_BLOCKS = (32, 64, 128)  # cache positions per step of moecompile's split-KV kernel in the probe
 HEADROOM = 4 * 2 ** 30  # bytes beyond weights and cache a run needs (activations, logits, workspaces)
 
 
@@ -497,18 +498,20 @@ def attention_probe(name: str, config, batch: int, context: int, new: int, devic
                     continue
             rows.append(f"| {name} | {batch} x {filled} | {cell} | {which} | {seconds * 1e3:.3f} | "
                         f"{seconds * bandwidth / cache_read:.2f} | {cache_read / seconds / 1e9:.0f} |")
-    # moecompile's split-KV kernel (option decode_attention) on the same cache and mask: the runtime's runs, and one
+    # moecompile's split-KV kernel (option decode_attention) on the same cache and mask, per block of positions: the
+    # runtime's runs for it, and one run (the data for choices.DECODE_ATTENTION_*)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1
-    for splits in sorted({choices.decode_attention_runs(batch, kv, length, sms), 1}, reverse=True):
-        def ours():
-            return triton_decode_attention.decode_attention(q, k, v, mask[:, 0, 0], key_dim ** -0.5, splits,
-                                                            block_l=choices.DECODE_ATTENTION_BLOCK)
+    for block in PROBE_BLOCKS:
+        for splits in sorted({choices.decode_attention_runs(batch, kv, length, sms, block), 1}, reverse=True):
+            def ours():
+                return triton_decode_attention.decode_attention(q, k, v, mask[:, 0, 0], key_dim ** -0.5, splits,
+                                                                block_l=block)
 
-        err = (ours().float() - want).norm() / want.norm()
-        seconds = replayed_seconds(ours, device, iters)
-        rows.append(f"| {name} | {batch} x {filled} | the cache with its mask | moecompile split-KV kernel, runs: "
-                    f"{splits}, err {err:.1e} | {seconds * 1e3:.3f} | {seconds * bandwidth / cache_read:.2f} | "
-                    f"{cache_read / seconds / 1e9:.0f} |")
+            err = (ours().float() - want).norm() / want.norm()
+            seconds = replayed_seconds(ours, device, iters)
+            rows.append(f"| {name} | {batch} x {filled} | the cache with its mask | moecompile split-KV kernel, "
+                        f"{block} positions a step, runs: {splits}, err {err:.1e} | {seconds * 1e3:.3f} | "
+                        f"{seconds * bandwidth / cache_read:.2f} | {cache_read / seconds / 1e9:.0f} |")
     return rows
 
 

@@ -71,10 +71,11 @@ def fp8_linear_splits(rows: int, n: int, k: int, sms: int) -> int:
     return 1 << (splits.bit_length() - 1)
 
 
-def decode_attention_runs(batch: int, kv_heads: int, length: int, sms: int) -> int:
+def decode_attention_runs(batch: int, kv_heads: int, length: int, sms: int, block: int = DECODE_ATTENTION_BLOCK
+                          ) -> int:
     """How many runs of cache positions the decode attention kernel splits each key/value head's positions into:
     enough programs for DECODE_ATTENTION_PROGRAMS_PER_SM per SM, at most one per block of positions."""
-    blocks = -(-length // DECODE_ATTENTION_BLOCK)
+    blocks = -(-length // block)
     return max(1, min(blocks, -(-DECODE_ATTENTION_PROGRAMS_PER_SM * sms // max(1, batch * kv_heads))))
 
 
