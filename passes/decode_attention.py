@@ -33,10 +33,15 @@ def _heads(node: fx.Node, name: str, query_heads: int) -> fx.Node | None:
     return tensor if isinstance(heads, int) and heads and query_heads % heads == 0 else None
 
 
+def _static(*tensors) -> bool:
+    """Every dimension a plain int: the pass compares shapes, which on symbolic ones would add guards after tracing."""
+    return all(isinstance(t, torch.Tensor) and all(isinstance(d, int) for d in t.shape) for t in tensors)
+
+
 def _mask_fits(mask, batch: int, length: int) -> bool:
     if mask is None:
         return True
-    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4
+    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and _static(mask)
             and tuple(mask.shape[1:]) == (1, 1, length) and mask.shape[0] in (1, batch))
 
 
@@ -47,12 +52,13 @@ def decode_attention(gm: fx.GraphModule, ctx) -> dict:
     graph, rewritten = gm.graph, []
     for node in [n for n in graph.nodes if kind(n) == "sdpa"]:
         query = value(arg(node, "query"))
-        if query is None or query.dim() != 4 or query.shape[2] != 1:
-            continue
+        if query is None or query.dim() != 4 or not _static(query) or query.shape[2] != 1:
+            continue  # (a symbolic query length may be more than one token: SDPA keeps it)
         if arg(node, "dropout_p") != 0.0 or arg(node, "is_causal"):
             continue
         key, val = (_heads(node, name, query.shape[1]) for name in ("key", "value"))
-        if key is None or val is None or value(key).shape[1] != value(val).shape[1]:
+        if key is None or val is None or not _static(value(key), value(val)) or \
+                value(key).shape[1] != value(val).shape[1]:
             continue
         batch, length = query.shape[0], value(key).shape[2]
         mask = arg(node, "attn_mask")

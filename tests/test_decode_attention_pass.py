@@ -69,6 +69,15 @@ def test_left_alone_where_the_op_would_compute_something_else(what):
     assert decode_attention(gm, PassContext(training=True)) == {"skipped": "training graph"}
 
 
+def test_left_alone_on_symbolic_shapes():
+    """A graph traced with a dynamic batch: comparing its shapes would add guards after tracing, so SDPA stays."""
+    q, k, v, mask = _inputs()
+    for t in (q, k, v, mask):
+        torch._dynamo.mark_dynamic(t, 0)
+    ((gm, _),) = dynamo_graphs(Attention(True), q, k, v, mask)
+    assert decode_attention(gm, PassContext()) == {"rewritten": []}
+
+
 def test_reference_kernel_is_sdpa_and_gives_zero_where_nothing_is_kept():
     q, k, v, mask = _inputs()
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
