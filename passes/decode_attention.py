@@ -66,6 +66,8 @@ def decode_attention(gm: fx.GraphModule, ctx) -> dict:
             continue
         scale = arg(node, "scale")
         scale = query.shape[-1] ** -0.5 if scale is None else scale
+        if not isinstance(scale, (int, float)):  # a scale computed in the graph: the op takes a constant
+            continue
         repeated = [arg(node, "key"), arg(node, "value")]
         with graph.inserting_before(node):
             attended = graph.call_function(DECODE_ATTENTION, (arg(node, "query"), key, val, mask, float(scale)))
