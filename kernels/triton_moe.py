@@ -155,8 +155,9 @@ def _row_of(row_of_ptr, order_ptr, n, a, amask, SEARCH: tl.constexpr, CHUNK: tl.
             p = p0 + tl.arange(0, CHUNK)
             o = tl.load(order_ptr + p, mask=p < n, other=-1).to(tl.int32)
             row += tl.sum(tl.where(o[None, :] == a[:, None], p[None, :], 0), axis=1).to(tl.int64)
-        return row
-    return tl.load(row_of_ptr + a, mask=amask, other=0)
+    else:
+        row = tl.load(row_of_ptr + a, mask=amask, other=0)
+    return row
 
 
 @triton.jit
