@@ -95,7 +95,7 @@ def run_shape(name: str, n: int, k: int, rows_list, sweep, device: str, bandwidt
     dtype = activation_dtype(device)
     compiled = torch.compile(lambda x, q, s: ops.linear_fp8(x, q, s, None), backend="moecompile") if matvec else None
     untuned = {} if device == "cuda" else {"BLOCK_N": 32, "BLOCK_K": 64}  # the interpreter cannot autotune
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1
+    sms = moe_layer.sm_count(device)
     lines = []
     for rows in rows_list:
         x = torch.randn(rows, k, device=device, generator=gen).to(dtype)
@@ -156,7 +156,7 @@ def one_row_forms(name: str, n: int, k: int, device: str, bandwidth: float) -> s
     gen = torch.Generator(device=device).manual_seed(0)
     fp8_weights, bf16_weights, fp8_bytes = weight_copies(n, k, device, gen)
     x = torch.randn(1, k, device=device, generator=gen).to(activation_dtype(device))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1
+    sms = moe_layer.sm_count(device)
     triton_kernel = functools.partial(triton_fp8_decode.linear_fp8, bias=None, splits=choices.fp8_linear_splits(
         1, n, k, sms), config=None if device == "cuda" else {"BLOCK_N": 32, "BLOCK_K": 64})
     forms = {

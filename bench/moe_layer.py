@@ -117,6 +117,11 @@ def machine(device: str) -> tuple[float, str]:
     return float("nan"), platform.processor() or "cpu"
 
 
+def sm_count(device: str) -> int:
+    """The GPU's SMs, which the runtime's split choices take; 1 off CUDA."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1
+
+
 def rate(ms: float, nbytes: int, bandwidth: float) -> str:
     """ms, with the GB/s of reading nbytes in that time and their share of the copy bandwidth where it is known."""
     if bandwidth != bandwidth:
