@@ -6,9 +6,9 @@ On the device:   python bench/fp8_linear.py --out bench/results/gpu-fp8-linear.m
 CPU smoke test:  python bench/fp8_linear.py --tiny [--forms]  (tiny shapes, Triton's interpreter; checks the script)
 
 --forms times one-row graphs inductor compiles with the backend's coordinate-descent tuning, on the linears above and
-two lm_heads: the pass's form (weight times its block scales, then the reduction), the block scales applied to the
-activation instead (one product per 128 x 128 block's row of x, not per weight), each row's 128-channel block sums
-times their scales (one product per block sum), the FP8 weight with no scales (a rate probe: its output is wrong), and
+two lm_heads: the weight times its block scales, then the reduction; the block scales applied to the activation
+instead (one product per 128 x 128 block's row of x, not per weight); each row's 128-channel block sums times their
+scales (one product per block sum: the pass matvec_fp8_linears's form); the FP8 weight with no scales (a rate probe: its output is wrong), and
 the bf16 weight (twice the bytes through the same reduction); beside them moecompile's own Triton linear_fp8 at one
 row. Which of them streams at the bf16 form's rate says whether the scales or the FP8 loads cost the bandwidth.
 
@@ -137,14 +137,6 @@ def scaled_activations(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> tor
     return (q.float().view(s.shape[0], 128, k) * xs).sum(-1).view(1, n).to(x.dtype)
 
 
-def block_sums(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """The same product as sums over each 128-channel block of a row, each then times its block's scale: the scales
-    meet [N, K / 128] partial sums, not the weights (whole blocks only)."""
-    n, k = q.shape
-    partial = (q.float().view(n, k // 128, 128) * x.float().view(1, k // 128, 128)).sum(-1)  # [N, K / 128]
-    return (partial.view(s.shape[0], 128, -1) * s[:, None, :]).sum(-1).view(1, n).to(x.dtype)
-
-
 def one_row_forms(name: str, n: int, k: int, device: str, bandwidth: float) -> str:
     """One table row of --forms: each one-row graph under inductor, ms and share of the copy bandwidth."""
     import moe_layer
@@ -160,10 +152,10 @@ def one_row_forms(name: str, n: int, k: int, device: str, bandwidth: float) -> s
     triton_kernel = functools.partial(triton_fp8_decode.linear_fp8, bias=None, splits=choices.fp8_linear_splits(
         1, n, k, sms), config=None if device == "cuda" else {"BLOCK_N": 32, "BLOCK_K": 64})
     forms = {
-        "pass": (lambda x, q, s: torch.nn.functional.linear(x.float(), fp8.dequantize_blocks(q, s)).to(x.dtype),
+        "dequantised": (lambda x, q, s: torch.nn.functional.linear(x.float(), fp8.dequantize_blocks(q, s)).to(x.dtype),
                  fp8_weights, fp8_bytes),
         "scaled activations": (scaled_activations, fp8_weights, fp8_bytes),
-        "block sums": (block_sums, fp8_weights, fp8_bytes),
+        "block sums": (lambda x, q, s: fp8.matvec_blocks(x, q, s).to(x.dtype), fp8_weights, fp8_bytes),
         "no scales": (lambda x, q, s: torch.nn.functional.linear(x.float(), q.float()).to(x.dtype), fp8_weights,
                       fp8_bytes),
         "bf16": (lambda x, w: torch.nn.functional.linear(x, w), [(w,) for w in bf16_weights], 2 * n * k),
@@ -221,12 +213,12 @@ def main(argv=None) -> int:
     if args.forms:
         header[4:] = [
             "One row, each form compiled by inductor with coordinate-descent tuning (the backend's setting for a "
-            "decode step): pass = weight times its block scales, then the reduction (matvec_fp8_linears); scaled "
+            "decode step): dequantised = weight times its block scales, then the reduction; scaled "
             "activations = the scales applied to x per block; block sums = each row's 128-channel block sums, then "
-            "times their scales; no scales = the FP8 weight alone (a rate probe, its output wrong); bf16 = the bf16 "
+            "times their scales (pass matvec_fp8_linears); no scales = the FP8 weight alone (a rate probe, its output wrong); bf16 = the bf16 "
             "weight (twice the bytes); linear_fp8 kernel = moecompile's Triton kernel at the runtime's K splits, not "
             "under inductor. err: against dequantise-then-float32.", "",
-            "| weight n x k | pass ms | scaled activations ms | block sums ms | no scales ms | bf16 ms | "
+            "| weight n x k | dequantised ms | scaled activations ms | block sums ms | no scales ms | bf16 ms | "
             "linear_fp8 kernel ms | err |",
             "|---|---|---|---|---|---|---|---|"]
     lines = []

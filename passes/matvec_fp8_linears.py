@@ -1,14 +1,16 @@
-"""matvec_fp8_linears: in a batch-1 decode step each FP8 linear becomes a plain linear over its weight dequantised
-by graph ops, which inductor's matrix-vector lowering (option decode_matvec) fuses into one reduction that reads the
-FP8 weight and its scales once, tuned and fused with its neighbours as the bf16 linears are.
+"""matvec_fp8_linears: in a batch-1 decode step each FP8 linear becomes graph ops over its FP8 weight that inductor
+fuses into reductions reading the weight and its scales once, tuned and fused with their neighbours as the bf16
+linears are.
 
     before   y = linear_fp8(x, w_fp8, w_scale_inv, b)                     (x: one row)
-    after    w = dequantize_blocks(w_fp8, w_scale_inv)                    (float32 [N, K]; never written whole)
-             y = (linear(x.float(), w) + b.float()).to(x.dtype)
+    after    y = matvec_blocks(x, w_fp8, w_scale_inv)                     (float32: per-block sums, then the scales)
+             y = (y + b.float()).to(x.dtype)
 
-The same float32 math as linear_fp8's reference kernel. Where the graph is not a batch-1 decode step (most of its
-linears read more than one row) or inductor does not compile it (eagerly the dequantised weight would be written
-whole), linear_fp8 stays on its Triton kernel.
+The scales multiply each row's 128-channel partial sums rather than every weight: inductor's code then streams the
+FP8 weight far nearer the copy rate (bench/fp8_linear.py --forms). Float32 math, as linear_fp8's reference kernel,
+summed in another order. Where the graph is not a batch-1 decode step (most of its linears read more than one row)
+or inductor does not compile it (eagerly the float32 weight would be written whole), linear_fp8 stays on its Triton
+kernel.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import math
 import torch
 from torch import fx
 
-from moecompile.core.fp8_format import dequantize_blocks
+from moecompile.core.fp8_format import matvec_blocks
 from moecompile.passes.nodes import LINEAR_INPUTS, arg, linear_kind, moe_op, value
 
 
@@ -36,8 +38,8 @@ def one_row_linears(gm: fx.GraphModule) -> int:
 
 
 def matvec_fp8_linears(gm: fx.GraphModule, ctx) -> dict:
-    """Pass: one-row linear_fp8 -> linear over the weight dequantised in the graph, in a decode step inductor
-    compiles (options decode_matvec and inductor)."""
+    """Pass: one-row linear_fp8 -> per-block sums of the FP8 weight times the row, then its scales, in a decode step
+    inductor compiles (options decode_matvec and inductor)."""
     if not any(moe_op(n) == "linear_fp8" for n in gm.graph.nodes):
         return {"skipped": "no FP8 linear"}
     if ctx.training:
@@ -50,8 +52,7 @@ def matvec_fp8_linears(gm: fx.GraphModule, ctx) -> dict:
     for node in [n for n in gm.graph.nodes if moe_op(n) == "linear_fp8" and _rows(n) == 1]:
         x, w, s, b = (arg(node, name) for name in ("x", "weight", "weight_scale_inv", "bias"))
         with gm.graph.inserting_before(node):
-            weight = gm.graph.call_function(dequantize_blocks, (w, s))
-            y = gm.graph.call_function(torch.nn.functional.linear, (gm.graph.call_method("float", (x,)), weight))
+            y = gm.graph.call_function(matvec_blocks, (x, w, s))
             if b is not None:
                 y = gm.graph.call_function(torch.add, (y, gm.graph.call_method("float", (b,))))
             y = gm.graph.call_method("type_as", (y, x))

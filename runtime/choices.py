@@ -48,7 +48,10 @@ QUACK_KERNELS = ("quack", "quack_gathered")
 # top-k kernel and then the dispatch kernel measured faster (bench/route_dispatch.py).
 ONE_LAUNCH_ROUTE_MAX_EXPERTS_AT_ONE_TOKEN = 64
 DECODE_ATTENTION_BLOCK = 64  # cache positions per step of the decode attention kernel
-DECODE_ATTENTION_PROGRAMS_PER_SM = 2  # not yet tuned on a GPU
+DECODE_ATTENTION_PROGRAMS_PER_SM = 1  # more split a 4k cache at batch 64 further and measured slower
+# A weight converted for an FP8 batch kernel (runtime/fp8.py) is kept only while this share of the GPU's memory stays
+# free beside it; else it is converted again at each call: the copies of a model that fills the card do not fit too.
+CONVERTED_WEIGHTS_MIN_FREE_SHARE = 0.25
 
 
 # FP8 linears (option fp8_linears): up to this many rows (decode) the weight-only Triton kernel reads the FP8 weights

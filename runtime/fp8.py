@@ -32,10 +32,20 @@ def quantize_fp8(x, group: int):
     return triton_fp8.quantize_rows(x, group)
 
 
+def _room_to_keep(device: torch.device) -> bool:
+    """Whether choices.CONVERTED_WEIGHTS_MIN_FREE_SHARE of the device's memory is free, counting what PyTorch's
+    allocator holds unused as free."""
+    if device.type != "cuda":
+        return True
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free >= choices.CONVERTED_WEIGHTS_MIN_FREE_SHARE * total
+
+
 def _converted_weights(w: torch.Tensor, scale_inv: torch.Tensor, convert):
     """convert(w, scale_inv), made on first use and kept while w lives unchanged (one more FP8 copy of the expert
-    weights in GPU memory). Not cached while a CUDA graph is being captured: captured kernels do not run, so the
-    copy would hold nothing until a replay."""
+    weights in GPU memory) and memory allows (_room_to_keep). Not cached while a CUDA graph is being captured:
+    captured kernels do not run, so the copy would hold nothing until a replay."""
     try:
         stamp = (w.data_ptr(), w._version, scale_inv.data_ptr(), scale_inv._version)
     except RuntimeError:  # inference tensors keep no version counter (and cannot change outside inference mode)
@@ -45,7 +55,7 @@ def _converted_weights(w: torch.Tensor, scale_inv: torch.Tensor, convert):
     if hit is not None and hit[0]() is w and hit[1] == stamp:
         return hit[2]
     converted = convert(w, scale_inv)
-    if not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not (w.is_cuda and torch.cuda.is_current_stream_capturing()) and _room_to_keep(w.device):
         _CONVERTED_WEIGHTS[key] = (weakref.ref(w, lambda _, key=key: _CONVERTED_WEIGHTS.pop(key, None)), stamp,
                                    converted)
     return converted

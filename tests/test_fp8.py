@@ -619,9 +619,8 @@ def test_bench_script_runs_tiny_on_cpu(tmp_path):
 
 
 def test_fp8_linear_bench_forms_are_the_block_scaled_linear():
-    """bench/fp8_linear.py --forms: the forms applying the block scales to the activation or to each row's block sums
-    compute the same one-row linear as the pass's form (weights times their scales), on random weights of several row
-    and column blocks."""
+    """bench/fp8_linear.py --forms: the form applying the block scales to the activation computes the same one-row
+    linear as weights times their scales, on random weights of several row and column blocks."""
     from moecompile.core import fp8_format as F
 
     bench = _bench("fp8_linear")
@@ -630,7 +629,19 @@ def test_fp8_linear_bench_forms_are_the_block_scaled_linear():
     x = torch.randn(1, 256, generator=gen)
     want = torch.nn.functional.linear(x, F.dequantize_blocks(q, s))
     torch.testing.assert_close(bench.scaled_activations(x, q, s), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(bench.block_sums(x, q, s), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n, k, lead", [(384, 256, (1,)), (200, 130, (1, 1)), (1, 1, ()), (129, 127, (1,))])
+def test_matvec_blocks_is_the_dequantised_linear(n, k, lead):
+    """matvec_blocks (matvec_fp8_linears' form: block sums, then scales) = x times the dequantised weight, float32,
+    with partial row and column blocks."""
+    gen = torch.Generator().manual_seed(n + k)
+    q, s = K.quantize_blocks(torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, k))
+    x = torch.randn(*lead, k, generator=gen).bfloat16()
+    got = K.matvec_blocks(x, q, s)
+    assert got.dtype == torch.float32 and got.shape == (*lead, n)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x.float(), K.dequantize_blocks(q, s)), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_direct_experts_bench_runs_tiny_on_cpu(tmp_path):

@@ -204,8 +204,8 @@ def test_fp8_one_token_graph_takes_the_direct_fp8_path(monkeypatch):
 
 def test_fp8_decode_step_compiles_with_the_rewritten_linears(monkeypatch):
     """matvec_fp8_linears under moecompile.generate with inductor on (its code generation swapped for AOT autograd's
-    eager run, which traces the same way): every FP8 linear of the batch-1 decode step becomes a linear over its
-    weight dequantised in the graph (float32, as linear_fp8's reference kernel), the prefill's are left alone, the
+    eager run, which traces the same way): every FP8 linear of the batch-1 decode step becomes graph ops over its
+    FP8 weight (float32 block sums, then the scales), the prefill's are left alone, the
     constants a pass made reach AOT autograd with static sizes (symbolic ones without a source broke Dynamo's guards
     once the dequantisation compared them), and the tokens are those of the run that keeps linear_fp8 (inductor
     off)."""

@@ -139,6 +139,30 @@ def test_rowwise_weights_are_converted_once_per_weight_tensor():
     assert key not in rt_fp8._CONVERTED_WEIGHTS  # dropped with its weight
 
 
+def test_converted_weights_are_kept_only_while_memory_allows(monkeypatch):
+    """Beside a model that fills the GPU the converted copy is made per call, not kept: the cache would double the
+    expert weights (Mixtral-8x7B in FP8 ran out of memory at its first batch prefill)."""
+    from moecompile.runtime import choices
+    from moecompile.runtime import fp8 as rt_fp8
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 20)  # 10 held by the allocator, unused
+    share = choices.CONVERTED_WEIGHTS_MIN_FREE_SHARE
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (share * 100 - 10, 100))
+    assert rt_fp8._room_to_keep(cuda)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (share * 100 - 11, 100))
+    assert not rt_fp8._room_to_keep(cuda)
+    assert rt_fp8._room_to_keep(torch.device("cpu"))
+
+    monkeypatch.setattr(rt_fp8, "_room_to_keep", lambda device: False)
+    w, s = _block_quantize(torch.randn(2, 256, 128))
+    first = rt_fp8._rowwise_weights(w, s)
+    assert rt_fp8._rowwise_weights(w, s) is not first and (id(w), fp8_math.rowwise_from_blocks) not in \
+        rt_fp8._CONVERTED_WEIGHTS
+    torch.testing.assert_close(rt_fp8._rowwise_weights(w, s)[1], first[1])
+
+
 def test_block_batches_fall_back_to_triton_when_gluon_does_not_build(monkeypatch, caplog):
     """runtime/fp8.py's FP8 dispatch as on an H200 (faked here): block-scaled batches go to the Gluon kernel; when
     this Triton's Gluon rejects it (an experimental dialect: builtins get renamed), one warning, then the Triton block

@@ -73,6 +73,19 @@ def dequantize_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: int =
     return (tiles * scale_inv[..., :, None, :, None]).view(*lead, br * block, bc * block)[..., :r, :c].to(dtype)
 
 
+def matvec_blocks(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: int = WEIGHT_BLOCK
+                  ) -> torch.Tensor:
+    """One row x [..., K] times the block-scaled weight [N, K] transposed, float32 [..., N]: each weight row's
+    128-channel partial sums, then each times its block's scale, so the scales meet N x K / 128 sums rather than
+    every weight (the form inductor streams the FP8 weight fastest in)."""
+    n, k = w_fp8.shape
+    br, bc = cdiv(n, block), cdiv(k, block)
+    w = _pad(w_fp8, br * block, bc * block).view(br, block, bc, block)
+    row = F.pad(x.float().reshape(k), (0, bc * block - k)).view(1, 1, bc, block)
+    partial = (w * row).sum(-1)  # [N / block, block, K / block]
+    return (partial * scale_inv[:, None, :]).sum(-1).reshape(br * block)[:n].view(*x.shape[:-1], n)
+
+
 def fake_quantize_groups(x: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
     """quantize then dequantize (float32): what an FP8 GEMM sees of a higher-precision activation."""
     return dequantize_groups(*quantize_groups(x, group), group)
