@@ -8,9 +8,9 @@ CPU smoke test:  python bench/fp8_linear.py --tiny [--forms]  (tiny shapes, Trit
 --forms times one-row graphs inductor compiles with the backend's coordinate-descent tuning, on the linears above and
 two lm_heads: the weight times its block scales, then the reduction; the block scales applied to the activation
 instead (one product per 128 x 128 block's row of x, not per weight); each row's 128-channel block sums times their
-scales (one product per block sum: the pass matvec_fp8_linears's form); the FP8 weight with no scales (a rate probe: its output is wrong), and
-the bf16 weight (twice the bytes through the same reduction); beside them moecompile's own Triton linear_fp8 at one
-row. Which of them streams at the bf16 form's rate says whether the scales or the FP8 loads cost the bandwidth.
+scales (one product per block sum: the pass matvec_fp8_linears's form); the FP8 weight with no scales (a rate
+probe: its output is wrong), and the bf16 weight (twice the bytes through the same reduction); beside them
+moecompile's own Triton linear_fp8 at one row. Which of them streams at the bf16 form's rate says whether the scales or the FP8 loads cost the bandwidth.
 
 Each variant runs over enough copies of the weight that they do not fit in L2 (a decode step's linears each read
 their own weight), one call per copy, replayed from a CUDA graph; the time is the graph's median over the copies.
@@ -215,9 +215,9 @@ def main(argv=None) -> int:
             "One row, each form compiled by inductor with coordinate-descent tuning (the backend's setting for a "
             "decode step): dequantised = weight times its block scales, then the reduction; scaled "
             "activations = the scales applied to x per block; block sums = each row's 128-channel block sums, then "
-            "times their scales (pass matvec_fp8_linears); no scales = the FP8 weight alone (a rate probe, its output wrong); bf16 = the bf16 "
-            "weight (twice the bytes); linear_fp8 kernel = moecompile's Triton kernel at the runtime's K splits, not "
-            "under inductor. err: against dequantise-then-float32.", "",
+            "times their scales (pass matvec_fp8_linears); no scales = the FP8 weight alone (a rate probe, its "
+            "output wrong); bf16 = the bf16 weight (twice the bytes); linear_fp8 kernel = moecompile's Triton "
+            "kernel at the runtime's K splits, not under inductor. err: against dequantise-then-float32.", "",
             "| weight n x k | dequantised ms | scaled activations ms | block sums ms | no scales ms | bf16 ms | "
             "linear_fp8 kernel ms | err |",
             "|---|---|---|---|---|---|---|---|"]
