@@ -10,7 +10,8 @@ two lm_heads: the weight times its block scales, then the reduction; the block s
 instead (one product per 128 x 128 block's row of x, not per weight); each row's 128-channel block sums times their
 scales (one product per block sum: the pass matvec_fp8_linears's form); the FP8 weight with no scales (a rate
 probe: its output is wrong), and the bf16 weight (twice the bytes through the same reduction); beside them
-moecompile's own Triton linear_fp8 at one row. Which of them streams at the bf16 form's rate says whether the scales or the FP8 loads cost the bandwidth.
+moecompile's own Triton linear_fp8 at one row. Which of them streams at the bf16 form's rate says whether the scales
+or the FP8 loads cost the bandwidth.
 
 Each variant runs over enough copies of the weight that they do not fit in L2 (a decode step's linears each read
 their own weight), one call per copy, replayed from a CUDA graph; the time is the graph's median over the copies.
