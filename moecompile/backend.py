@@ -37,7 +37,7 @@ OPTIONS = {
     "gqa_attention": (bool, True, "gqa_attention: attention over repeated key/value heads as SDPA's grouped-query "
                                   "attention where a fused kernel takes it (inference graphs)"),
     "decode_attention": (bool, None, "decode_attention: one query token's attention over the cache as moecompile's "
-                                     "split-KV kernel instead of SDPA (inference graphs; off until measured faster)"),
+                                     "split-KV kernel instead of SDPA (inference graphs; off: no faster in a step)"),
     "decode_matvec": (bool, True, "at one token (a batch-1 decode step) inductor computes the linears as "
                                   "matrix-vector reductions tuned by coordinate descent and fused with their "
                                   "neighbours, instead of GEMM library calls (inference graphs)"),
