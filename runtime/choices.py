@@ -16,8 +16,9 @@ a copy of its rows. "auto" takes the tuned choice.
 FP8 expert GEMMs: "rowwise" = per-row activation and per-channel weight scales applied after the K loop (weights
 converted from their 128x128 blocks once), faster for batches for a second rounding of weights and activations;
 "block" = the checkpoint's block scales promoted every K step, the more exact math and the faster one at decode.
-"auto": rowwise for batches where TMA runs (sm_90+), block otherwise. Block batches on sm_90 run CUTLASS's blockwise
-grouped GEMM where it builds, else the Gluon kernel, else the Triton block kernel (FP8_BLOCK_KERNEL picks one).
+"auto": rowwise for batches where TMA runs (sm_90+) and its weight copies can be kept, block otherwise. Block
+batches on sm_90 run CUTLASS's blockwise grouped GEMM where it builds, else the Gluon kernel, else the Triton block
+kernel (FP8_BLOCK_KERNEL picks one).
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ ONE_LAUNCH_ROUTE_MAX_EXPERTS_AT_ONE_TOKEN = 64
 DECODE_ATTENTION_BLOCK = 64  # cache positions per step of the decode attention kernel
 DECODE_ATTENTION_PROGRAMS_PER_SM = 1  # more split a 4k cache at batch 64 further and measured slower
 # A weight converted for an FP8 batch kernel (runtime/fp8.py) is kept only while this share of the GPU's memory stays
-# free beside it; else it is converted again at each call: the copies of a model that fills the card do not fit too.
+# free beside it: the copies of a model that fills the card do not fit too. Where the rowwise math's copies cannot be
+# kept, "auto" takes the block math, which reads the weights as stored.
 CONVERTED_WEIGHTS_MIN_FREE_SHARE = 0.25
 
 

@@ -33,32 +33,52 @@ def quantize_fp8(x, group: int):
 
 
 def _room_to_keep(device: torch.device) -> bool:
-    """Whether choices.CONVERTED_WEIGHTS_MIN_FREE_SHARE of the device's memory is free, counting what PyTorch's
-    allocator holds unused as free."""
+    """Whether a converted weight may be kept now: not while a CUDA graph is being captured (captured kernels do not
+    run, so the copy would hold nothing until a replay), else while choices.CONVERTED_WEIGHTS_MIN_FREE_SHARE of the
+    device's memory is free, counting what PyTorch's allocator holds unused as free."""
     if device.type != "cuda":
         return True
+    if torch.cuda.is_current_stream_capturing():
+        return False
     free, total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return free >= choices.CONVERTED_WEIGHTS_MIN_FREE_SHARE * total
 
 
+def _stamp(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple:
+    try:
+        return w.data_ptr(), w._version, scale_inv.data_ptr(), scale_inv._version
+    except RuntimeError:  # inference tensors keep no version counter (and cannot change outside inference mode)
+        return w.data_ptr(), None, scale_inv.data_ptr(), None
+
+
+def _kept(w: torch.Tensor, scale_inv: torch.Tensor, convert):
+    """convert(w, scale_inv) as kept by _converted_weights while w is unchanged, else None."""
+    hit = _CONVERTED_WEIGHTS.get((id(w), convert))
+    return hit[2] if hit is not None and hit[0]() is w and hit[1] == _stamp(w, scale_inv) else None
+
+
 def _converted_weights(w: torch.Tensor, scale_inv: torch.Tensor, convert):
     """convert(w, scale_inv), made on first use and kept while w lives unchanged (one more FP8 copy of the expert
-    weights in GPU memory) and memory allows (_room_to_keep). Not cached while a CUDA graph is being captured:
-    captured kernels do not run, so the copy would hold nothing until a replay."""
-    try:
-        stamp = (w.data_ptr(), w._version, scale_inv.data_ptr(), scale_inv._version)
-    except RuntimeError:  # inference tensors keep no version counter (and cannot change outside inference mode)
-        stamp = (w.data_ptr(), None, scale_inv.data_ptr(), None)
-    key = (id(w), convert)
-    hit = _CONVERTED_WEIGHTS.get(key)
-    if hit is not None and hit[0]() is w and hit[1] == stamp:
-        return hit[2]
+    weights in GPU memory) where _room_to_keep allows."""
+    converted = _kept(w, scale_inv, convert)
+    if converted is not None:
+        return converted
     converted = convert(w, scale_inv)
-    if not (w.is_cuda and torch.cuda.is_current_stream_capturing()) and _room_to_keep(w.device):
-        _CONVERTED_WEIGHTS[key] = (weakref.ref(w, lambda _, key=key: _CONVERTED_WEIGHTS.pop(key, None)), stamp,
-                                   converted)
+    if _room_to_keep(w.device):
+        key = (id(w), convert)
+        _CONVERTED_WEIGHTS[key] = (weakref.ref(w, lambda _, key=key: _CONVERTED_WEIGHTS.pop(key, None)),
+                                   _stamp(w, scale_inv), converted)
     return converted
+
+
+def _rowwise_affordable(w_in, w_in_scale_inv, w_out, w_out_scale_inv) -> bool:
+    """Whether the rowwise math's per-channel weight copies are kept or may be: converting them at every call (or in
+    every replay of a captured graph) would cost more than the block math's slower GEMM over the weights as
+    stored."""
+    kept = all(_kept(w, s, fp8_math.rowwise_from_blocks) is not None
+               for w, s in ((w_in, w_in_scale_inv), (w_out, w_out_scale_inv)))
+    return kept or _room_to_keep(w_in.device)
 
 
 def _rowwise_weights(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +136,8 @@ def experts_fp8(x_fp8, x_scale_inv, offsets, w_in, w_in_scale_inv, b_in, w_out, 
         return reference.experts_fp8(*args)
     gemm, block_kernel = choices.FP8_GEMM, choices.FP8_BLOCK_KERNEL
     batch = choices.is_batch(x_fp8.shape[0], w_in.shape[0])
-    rowwise = gemm == "rowwise" or (gemm == "auto" and batch and triton_moe.tma_supported(x_fp8, w_in))
+    rowwise = gemm == "rowwise" or (gemm == "auto" and batch and triton_moe.tma_supported(x_fp8, w_in)
+                                    and _rowwise_affordable(w_in, w_in_scale_inv, w_out, w_out_scale_inv))
     hopper_batch = batch and torch.cuda.get_device_capability(x_fp8.device) == (9, 0)
     if not rowwise and hopper_batch and block_kernel in ("auto", "cutlass") and _cutlass_usable(x_fp8, w_out):
         return _experts_fp8_cutlass(*args)

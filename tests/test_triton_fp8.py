@@ -146,6 +146,7 @@ def test_converted_weights_are_kept_only_while_memory_allows(monkeypatch):
     from moecompile.runtime import fp8 as rt_fp8
 
     cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 20)  # 10 held by the allocator, unused
     share = choices.CONVERTED_WEIGHTS_MIN_FREE_SHARE
@@ -154,6 +155,9 @@ def test_converted_weights_are_kept_only_while_memory_allows(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (share * 100 - 11, 100))
     assert not rt_fp8._room_to_keep(cuda)
     assert rt_fp8._room_to_keep(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # nothing kept while capturing
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100, 100))
+    assert not rt_fp8._room_to_keep(cuda)
 
     monkeypatch.setattr(rt_fp8, "_room_to_keep", lambda device: False)
     w, s = _block_quantize(torch.randn(2, 256, 128))
@@ -161,6 +165,25 @@ def test_converted_weights_are_kept_only_while_memory_allows(monkeypatch):
     assert rt_fp8._rowwise_weights(w, s) is not first and (id(w), fp8_math.rowwise_from_blocks) not in \
         rt_fp8._CONVERTED_WEIGHTS
     torch.testing.assert_close(rt_fp8._rowwise_weights(w, s)[1], first[1])
+
+
+def test_auto_takes_the_block_math_where_rowwise_copies_cannot_be_kept(monkeypatch):
+    """The rowwise math runs on per-channel weight copies: kept ones, or where there is room to keep them; else the
+    block math, which reads the weights as stored (a model that fills the GPU would convert them at every call)."""
+    from moecompile.runtime import fp8 as rt_fp8
+
+    w_in, s_in = _block_quantize(torch.randn(2, 256, 128))
+    w_out, s_out = _block_quantize(torch.randn(2, 128, 128))
+    monkeypatch.setattr(rt_fp8, "_room_to_keep", lambda device: False)
+    assert not rt_fp8._rowwise_affordable(w_in, s_in, w_out, s_out)
+    monkeypatch.setattr(rt_fp8, "_room_to_keep", lambda device: True)
+    assert rt_fp8._rowwise_affordable(w_in, s_in, w_out, s_out)
+    rt_fp8._rowwise_weights(w_in, s_in)  # both kept now
+    rt_fp8._rowwise_weights(w_out, s_out)
+    monkeypatch.setattr(rt_fp8, "_room_to_keep", lambda device: False)
+    assert rt_fp8._rowwise_affordable(w_in, s_in, w_out, s_out)  # the kept copies serve
+    s_out.mul_(2.0)  # a changed weight's copy is stale: not kept any more
+    assert not rt_fp8._rowwise_affordable(w_in, s_in, w_out, s_out)
 
 
 def test_block_batches_fall_back_to_triton_when_gluon_does_not_build(monkeypatch, caplog):
