@@ -394,6 +394,31 @@ def test_fp8_kernels_match_reference(gated, bias, gemm, block_kernel, tokens, mo
     assert _rel(got[:kept], exact[:kept]) <= (1e-1 if gemm == "rowwise" else 8e-2)
 
 
+def test_fp8_auto_runs_the_block_math_where_rowwise_copies_cannot_be_kept(monkeypatch):
+    """A batch whose per-channel weight copies cannot be kept (a model that fills the GPU) runs the block math on the
+    weights as stored, with the block math's error, and keeps no copy."""
+    from moecompile.core import fp8_format as F
+    from moecompile.kernels import triton_fp8
+    from moecompile.runtime import fp8 as rt_fp8
+
+    monkeypatch.setattr(choices, "FP8_GEMM", "auto")
+    monkeypatch.setattr(rt_fp8, "_room_to_keep", lambda device: False)
+    monkeypatch.setattr(triton_fp8, "experts_fp8_rowwise", lambda *a: pytest.fail("rowwise math without its copies"))
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    e, k, h, i, tokens = 4, 2, 256, 384, 700
+    w_in, b_in, w_out, b_out = _weights(e, h, i, True, False, gen)
+    (w_in_q, w_in_s), (w_out_q, w_out_s) = F.quantize_blocks(w_in), F.quantize_blocks(w_out)
+    x = torch.randn(tokens, h, generator=gen, device=DEVICE).bfloat16()
+    weights, ids = ops.route(torch.randn(tokens, e, generator=gen, device=DEVICE), k, 0.0, True)
+    rows, order, offsets = ops.dispatch(x, ids, e)
+    xq, xs = RF.quantize_fp8(rows, 128)
+    args = (xq, xs, offsets, w_in_q, w_in_s, b_in, w_out_q, w_out_s, b_out, "silu", True, torch.bfloat16)
+    got, want = RF.experts_fp8(*args), R.experts_fp8(*args)
+    kept = int(offsets[-1])
+    assert _rel(got[:kept], want[:kept]) <= 2e-2
+    assert rt_fp8._kept(w_in_q, w_in_s, F.rowwise_from_blocks) is None
+
+
 @needs_cutlass
 @pytest.mark.skipif(not _hopper(), reason="sm_90 only")
 @pytest.mark.parametrize("counts,hidden,width", [
