@@ -75,15 +75,19 @@ def test_cuda_fp8_linear_matches_reference(rows, n, k, split):
     assert _rel(got, R.linear_fp8(x, q, s, b)) <= 1e-2
 
 
-def _qwen3_moe():
+def _qwen3_moe(family: str = "qwen3"):
     """A tiny Qwen3-MoE whose sizes are whole 128-blocks and whose 16 experts at top-2 make one token decode-sized
-    for direct_experts (bf16, CUDA)."""
+    for direct_experts (bf16, CUDA); family "mixtral": a Mixtral of the same sizes with 4 experts at top-2, whose one
+    token goes direct only in FP8."""
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-                                         num_experts=16, num_experts_per_tok=2, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512,
-                                         max_position_embeddings=64, eos_token_id=None)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    sizes = dict(hidden_size=256, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=64, eos_token_id=None)
+    if family == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            intermediate_size=128, num_local_experts=4, **sizes)).eval()
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            intermediate_size=512, moe_intermediate_size=128, num_experts=16, **sizes)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("gate.weight"):
@@ -93,15 +97,15 @@ def _qwen3_moe():
 
 
 @pytest.mark.parametrize("batch", [1, 16])
-@pytest.mark.parametrize("linears", [False, True])
-def test_generate_fp8_captures_and_stays_near_bf16(batch, linears):
+@pytest.mark.parametrize("linears,family", [(False, "qwen3"), (True, "qwen3"), (False, "mixtral")])
+def test_generate_fp8_captures_and_stays_near_bf16(batch, linears, family):
     """options fp8 (+ fp8_linears): the decode step's graph holds the FP8 ops (direct FP8 experts at batch 1, the
     sorted FP8 GEMMs at 16; linear_fp8 for the linears), is captured as a CUDA graph whose tokens are those of the
     same step uncaptured; the first logits (the prompt's, and those of a one-token prompt, which runs the decode
     step's form) stay within cosine 0.995 of the bf16 run."""
     if not _fp8_sm89():
         pytest.skip("FP8 needs sm_89+")
-    model = _qwen3_moe()
+    model = _qwen3_moe(family)
     options = {"inductor": False, "fp8": True, **({"fp8_linears": True} if linears else {})}
     ids = token_ids(batch=batch, length=PROMPT).to(DEVICE)
     bf16 = Generator(model, batch, PROMPT + NEW, options={"inductor": False})
