@@ -22,6 +22,9 @@ Modes, all in one run:
                      moecompile.generate's loop (not in the default list; cos is not measured)
   moecompile-unfused the same without the fuse_projections pass (not in the default list: what that pass gives)
   moecompile-sorted  the same without the direct_experts pass: the sorted experts at decode (not in the default list)
+  moecompile-direct  the same with direct_experts taking up to one assignment per expert (Mixtral's one token in bf16,
+                     which its threshold keeps sorted): the data for direct_experts.MAX_ASSIGNMENTS_PER_EXPERT (not in
+                     the default list)
   moecompile-repeat-kv the same without the gqa_attention pass: HF's repeated key/value heads (not in the default list)
   moecompile-gemm    the same without decode_matvec: cuBLAS GEMMs for the one-token linears (not in the default list)
   moecompile-split-kv the same with option decode_attention: the step's attention on moecompile's split-KV kernel
@@ -112,7 +115,9 @@ FP8_MODES = (FP8_MODE, FP8_HEAD_MODE)  # on the FP8 model: after the bf16 modes,
 GENERATOR_OPTIONS = {"moecompile": {}, FP8_MODE: {}, FP8_HEAD_MODE: {"fp8_linears": True},
                      "moecompile-unfused": {"fuse_projections": False},
                      "moecompile-sorted": {"direct_experts": False}, "moecompile-repeat-kv": {"gqa_attention": False},
-                     "moecompile-gemm": {"decode_matvec": False}, "moecompile-split-kv": {"decode_attention": True}}
+                     "moecompile-gemm": {"decode_matvec": False}, "moecompile-split-kv": {"decode_attention": True},
+                     "moecompile-direct": {}}
+DIRECT_MODE_ASSIGNMENTS_PER_EXPERT = 1.0  # moecompile-direct's direct_experts.MAX_ASSIGNMENTS_PER_EXPERT
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 ROUTER_SUFFIXES = (".gate.weight", ".router.weight")  # routers: not linears in transformers' FP8 layout
 FP8_BLOCK = 128
@@ -410,6 +415,20 @@ def autotuned_tiles() -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def pass_thresholds(mode: str):
+    """moecompile-direct: direct_experts' threshold raised while the mode compiles its graphs."""
+    from moecompile.passes import direct_experts
+
+    kept = direct_experts.MAX_ASSIGNMENTS_PER_EXPERT
+    if mode == "moecompile-direct":
+        direct_experts.MAX_ASSIGNMENTS_PER_EXPERT = DIRECT_MODE_ASSIGNMENTS_PER_EXPERT
+    try:
+        yield
+    finally:
+        direct_experts.MAX_ASSIGNMENTS_PER_EXPERT = kept
+
+
 def generator_options(mode: str, inductor: bool) -> dict | None:
     options = dict(GENERATOR_OPTIONS[mode])
     if not inductor:
@@ -651,9 +670,10 @@ def main(argv=None) -> int:
                 try:
                     if mode in GENERATOR_OPTIONS:
                         moecompile.backend.clear_records()
-                        prefill, decode, tokens, cosine, report, logits = moecompile_mode(
-                            model, ids, args.new, device, args.reps, reference, not args.no_profile and batch == 1,
-                            generator_options(mode, inductor), sampling)
+                        with pass_thresholds(mode):
+                            prefill, decode, tokens, cosine, report, logits = moecompile_mode(
+                                model, ids, args.new, device, args.reps, reference,
+                                not args.no_profile and batch == 1, generator_options(mode, inductor), sampling)
                         if report:
                             profiles.append(f"{label}, batch {batch}, {mode}:\n{report}")
                         if mode == "moecompile":

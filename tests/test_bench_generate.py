@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+import moecompile.backend
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -78,6 +80,23 @@ def test_model_that_does_not_fit_is_a_row(bench, tmp_path):
     rows = rows_of(out.read_text())[1:]
     assert [r[:2] for r in rows] == [["mixtral-8x7b (32)", "1"], ["mixtral-8x7b (32)", "64"]]
     assert all(r[3].startswith("does not fit: ") for r in rows)
+
+
+def test_direct_mode_raises_the_threshold_for_its_run_only(bench, tmp_path):
+    """moecompile-direct: Mixtral's one token (2 of 8 experts), sorted by default in bf16, goes direct in that mode,
+    and the pass's threshold is back afterwards."""
+    from moecompile.passes import direct_experts
+
+    threshold = direct_experts.MAX_ASSIGNMENTS_PER_EXPERT
+    direct = {}
+    for mode in ("moecompile", "moecompile-direct"):
+        assert bench.main(["--tiny", "--models", "mixtral-8x7b", "--layers", "1", "--batches", "1", "--context", "4",
+                           "--new", "2", "--reps", "1", "--modes", mode, "--no-profile",
+                           "--out", str(tmp_path / f"{mode}.md")]) == 0
+        step = moecompile.backend.records()[-1]  # the decode step's graph
+        direct[mode] = dict(step.reports)["direct_experts"]["direct"]
+    assert direct["moecompile"] == [] and len(direct["moecompile-direct"]) == 1  # the one layer's block
+    assert direct_experts.MAX_ASSIGNMENTS_PER_EXPERT == threshold
 
 
 def test_fp8_against_bf16_and_attention_probe_tiny(bench, tmp_path):
