@@ -45,6 +45,8 @@ bf16 model never holds more than the bf16 modes did, and --fp8-only's build one 
   python bench/generate.py --out bench/results/gpu-generate.md                      # a slice of each model
   python bench/generate.py --full --fp8 --batches 1,16,64 --modes hf-inductor,moecompile  # every layer, FP8 vs bf16
   python bench/generate.py --full --fp8-only --models mixtral-8x7b --batches 1,16    # FP8 where bf16 does not fit
+  python bench/generate.py --full --modes moecompile --save-logits L; ... --full --fp8-only --bf16-logits L
+                                                     # bf16 and FP8 of one model in two calls, compared (cos, speed-up)
   python bench/generate.py --context 4096 --batches 64 --modes moecompile --attention-probe   # long context
   python bench/generate.py --models all --sample --batches 1,16,64 --new 16 --modes moecompile,hf-moecompile  # sampled
   python bench/generate.py --tiny --models mixtral-8x7b --batches 1 --new 8         # a quick smoke run
@@ -60,6 +62,7 @@ import argparse
 import contextlib
 import gc
 import math
+import os
 import platform
 import re
 import shlex
@@ -68,10 +71,10 @@ import subprocess
 import sys
 import time
 import warnings
+import zlib
 
 import torch
 import transformers
-from compile import instantiate  # bench/compile.py, beside this script: the same random HF models
 
 import moecompile.backend
 from moecompile.generation import Generator, Sampling, custom_generate
@@ -140,21 +143,12 @@ def make_config(name: str, tiny: bool, layers: int | None = None, full: bool = F
                                              max_position_embeddings=max_positions, eos_token_id=None, **sizes)
 
 
-def build(name: str, config, device: str, dtype: torch.dtype, fp8: bool = False):
-    """The random model of a MODELS entry; `fp8`: in transformers' FineGrainedFP8 layout, built on the meta device
-    and materialised one module at a time, each quantised module before the next (no whole bf16 copy)."""
-    if fp8:
-        model = build_fp8(name, config, device, dtype)
-    else:
-        model = instantiate(MODELS[name][1], config, device, dtype)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def build_fp8(name: str, config, device: str, dtype: torch.dtype, seed: int = 0):
-    """build(fp8=True): HF's initialisation of each module as it is materialised, routers as instantiate's."""
-    torch.manual_seed(seed)
+def build(name: str, config, device: str, dtype: torch.dtype, fp8: bool = False, seed: int = 0):
+    """The random model of a MODELS entry, built on the meta device and materialised one module at a time, each
+    module's values drawn from its name: the bf16 model and (`fp8`) the one in transformers' FineGrainedFP8 layout,
+    each quantised module before the next (no whole bf16 copy), are the same model, whatever the call that builds
+    them. HF's initialisation; routers with unit-variance logits (HF initialises some to zero), a realistic spread of
+    tokens over experts."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -163,18 +157,23 @@ def build_fp8(name: str, config, device: str, dtype: torch.dtype, seed: int = 0)
     finally:
         torch.set_default_dtype(previous)
 
-    def fill(_, module):
+    def fill(module_name, module):
+        torch.manual_seed(seed + zlib.crc32(module_name.encode()))
         module.to_empty(device=device, recurse=False)
         model._init_weights(module)
+        with torch.no_grad():
+            for pname, p in module.named_parameters(recurse=False):
+                if f"{module_name}.{pname}".endswith(ROUTER_SUFFIXES) and p.dim() == 2:
+                    p.normal_(0.0, p.shape[1] ** -0.5)
 
-    to_native_fp8(model, fill)
-    for module in model.modules():  # the rest: embeddings, norms, routers, lm_head, rotary tables
+    if fp8:
+        to_native_fp8(model, fill)
+    for module_name, module in model.named_modules():  # all (bf16), or what stays unquantised (FP8)
         if any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
-            fill(None, module)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith(ROUTER_SUFFIXES) and p.dim() == 2:
-                p.normal_(0.0, p.shape[1] ** -0.5)
+            fill(module_name, module)
+    model.tie_weights()  # a tied head is the embedding filled above
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
     return model
 
 
@@ -303,7 +302,7 @@ def agree(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def cos(a, b) -> float:
-    return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+    return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten().to(a.device), dim=0).item()
 
 
 def hf_mode(model, mode: str, ids, new: int, device: str, reps: int, reference, sampling: Sampling | None = None):
@@ -434,6 +433,29 @@ def generator_options(mode: str, inductor: bool) -> dict | None:
     if not inductor:
         options["inductor"] = False
     return options or None
+
+
+def _logits_file(folder: str, name: str, config, batch: int, mode: str) -> str:
+    return os.path.join(folder, f"{name}-{config.num_hidden_layers}-layers-batch-{batch}-{mode}.safetensors")
+
+
+def save_logits(folder: str, name: str, config, batch: int, mode: str, logits: torch.Tensor, decode: float) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    save_file({"logits": logits.float().cpu().contiguous()}, _logits_file(folder, name, config, batch, mode),
+              metadata={"decode_s": repr(decode)})
+
+
+def load_logits(folder: str, name: str, config, batch: int, mode: str) -> tuple[torch.Tensor, float] | None:
+    """(first-step logits, decode s per step) that save_logits wrote for this model, batch and mode, or None."""
+    from safetensors import safe_open
+
+    path = _logits_file(folder, name, config, batch, mode)
+    if not os.path.exists(path):
+        return None
+    with safe_open(path, "pt") as f:
+        return f.get_tensor("logits"), float(f.metadata()["decode_s"])
 
 
 def fp8_rewrites() -> int:
@@ -567,6 +589,11 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-gb", type=float, help="device memory to plan for (default: the device's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--save-logits", metavar="DIR",
+                        help="write each moecompile / FP8 row's first-step logits and step time to DIR (safetensors)")
+    parser.add_argument("--bf16-logits", metavar="DIR",
+                        help="compare the FP8 rows with the bf16 rows that --save-logits wrote to DIR in another call "
+                             "(the same model: build() draws each module's values from its name)")
     parser.add_argument("--sample", action="store_true",
                         help="sample (temperature 1, top-k 50, top-p 0.9) in every mode")
     parser.add_argument("--out")
@@ -645,7 +672,7 @@ def main(argv=None) -> int:
                   + cache_bytes(config, batch, args.context + args.new, itemsize, windows=False) + HEADROOM
                   for mode in modes for batch in batches}
         fits = {key: capacity is None or size <= capacity for key, size in needed.items()}
-        model, references, bf16, model_rows, in_fp8 = None, {}, {}, [], False
+        model, references, bf16, model_rows, in_fp8, elsewhere = None, {}, {}, [], False, set()
         for mode in modes:
             if mode in FP8_MODES and any(fits[mode, b] for b in batches):
                 if not in_fp8:  # once: the FP8 modes share the FP8 model
@@ -676,10 +703,16 @@ def main(argv=None) -> int:
                                 not args.no_profile and batch == 1, generator_options(mode, inductor), sampling)
                         if report:
                             profiles.append(f"{label}, batch {batch}, {mode}:\n{report}")
+                        if args.save_logits and mode in ("moecompile", *FP8_MODES):
+                            save_logits(args.save_logits, name, config, batch, mode, logits, decode)
                         if mode == "moecompile":
                             bf16[batch] = logits, decode
-                        elif mode in FP8_MODES and batch in bf16:
-                            versus = f"{cos(logits, bf16[batch][0]):.5f}, {bf16[batch][1] / decode:.2f}x"
+                        elif mode in FP8_MODES and batch not in bf16 and args.bf16_logits:
+                            bf16[batch] = load_logits(args.bf16_logits, name, config, batch, "moecompile")
+                            elsewhere.add(batch)
+                        if mode in FP8_MODES and bf16.get(batch) is not None:
+                            versus = f"{cos(logits, bf16[batch][0]):.5f}, {bf16[batch][1] / decode:.2f}x" + (
+                                " (bf16: another call)" if batch in elsewhere else "")
                             if not fp8_rewrites():
                                 versus += " (no expert op became FP8)"
                     elif mode == "hf-custom-generate":

@@ -121,9 +121,11 @@ def test_fp8_against_bf16_and_attention_probe_tiny(bench, tmp_path):
 
 def test_fp8_only_builds_the_model_in_fp8(bench):
     """--fp8-only's model: transformers' FP8 layout materialised module by module from the meta device, every tensor
-    filled (HF's initialisation, rotary tables as an ordinary build's), and it runs on moecompile's FP8 ops."""
+    filled (HF's initialisation, rotary tables as an ordinary build's), the same model as the bf16 build (which a
+    call of its own may run), and it runs on moecompile's FP8 ops."""
     import torch
 
+    from moecompile.core.fp8_format import dequantize_blocks
     from moecompile.integrations import finegrained_fp8
 
     config = bench.make_config("mixtral-8x7b", tiny=True, layers=1)
@@ -136,10 +138,34 @@ def test_fp8_only_builds_the_model_in_fp8(bench):
     plain = bench.build("mixtral-8x7b", config, "cpu", torch.float32)
     assert torch.equal(model.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)
     router = model.model.layers[0].mlp.gate.weight
-    assert abs(router.std().item() * router.shape[1] ** 0.5 - 1) < 0.1  # as instantiate's routers
+    assert abs(router.std().item() * router.shape[1] ** 0.5 - 1) < 0.1  # unit-variance router logits
+    # the same model as the bf16 build: its unquantised tensors equal, its FP8 ones within e4m3's rounding
+    ours, theirs = dict(model.named_parameters()), dict(plain.named_parameters())
+    for pname, p in ours.items():
+        if pname.endswith("_scale_inv"):
+            continue
+        if p.dtype == torch.float8_e4m3fn:
+            back = dequantize_blocks(p, ours[f"{pname}_scale_inv"])
+            assert (back - theirs[pname]).norm() <= 0.05 * theirs[pname].norm(), pname
+        else:
+            assert torch.equal(p, theirs[pname]), pname
     assert len(finegrained_fp8.enable(model)["experts"]) == 1
     with torch.no_grad():
         assert model(torch.arange(6)[None]).logits.isfinite().all()
+
+
+def test_fp8_rows_compare_with_bf16_logits_of_another_call(bench, tmp_path):
+    """Full-depth bf16 and FP8 models do not fit one call: --save-logits keeps the bf16 row's first-step logits and
+    --bf16-logits gives a later --fp8-only call its cosine and speed-up, over the same model's weights."""
+    logits, out = tmp_path / "logits", tmp_path / "fp8.md"
+    common = ["--tiny", "--models", "qwen3-30b-a3b", "--layers", "1", "--batches", "1", "--context", "4", "--new",
+              "2", "--reps", "1", "--no-profile"]
+    assert bench.main([*common, "--modes", "moecompile", "--save-logits", str(logits)]) == 0
+    assert [p.name for p in logits.iterdir()] == ["qwen3-30b-a3b-1-layers-batch-1-moecompile.safetensors"]
+    assert bench.main([*common, "--fp8-only", "--bf16-logits", str(logits), "--out", str(out)]) == 0
+    (row,) = [r for r in rows_of(out.read_text()) if r[2] == "moecompile-fp8"]
+    cosine, speedup = row[-1].split(", ")
+    assert float(cosine) >= 0.995 and speedup.endswith("x (bf16: another call)")
 
 
 def test_fp8_drift_tiny(tmp_path):
