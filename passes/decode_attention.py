@@ -8,7 +8,8 @@ which reads each key/value head once for its query heads and splits the cache po
 
 Only where the op computes the same thing: one query token, no dropout, not causal, a boolean mask [B or 1, 1, 1, L]
 or none, the query heads a multiple of the key/value heads. Inference graphs; off by default (option
-decode_attention) until a GPU measurement says it beats SDPA there.
+decode_attention): on an H100 the kernel beat SDPA's alone but not in whole decode steps
+(bench/results/gpu-generate.md).
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from moecompile.ir.ops import glu_args
+from moecompile.passes.insert_fp8 import experts_in_fp8
 from moecompile.passes.nodes import arg, block_meta, call, call_op, moe_op, op_args, value
 
 ROUTED_EXPERTS = torch.ops.moecompile.routed_experts.default
@@ -88,8 +89,7 @@ def direct_experts(gm: fx.GraphModule, ctx) -> dict:
             continue
         dispatch, experts = found
         e = op_args(experts)
-        # insert_fp8 makes these experts FP8: all of them under option fp8, else those stored in FP8
-        fp8 = bool(ctx.options.get("fp8")) or (e["w_in"] in ctx.fp8_scales and e["w_out"] in ctx.fp8_scales)
+        fp8 = experts_in_fp8(ctx, e["w_in"], e["w_out"])
         if glu_args(e["activation"], e["interleaved"], e["alpha"], e["limit"]) or not _decode_sized(dispatch, fp8):
             continue
         meta = block_meta(experts)
