@@ -15,9 +15,9 @@ def ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def dispatched_layer(d: int, f: int, e: int, k: int, tokens: int):
+def routed_layer(d: int, f: int, e: int, k: int, tokens: int):
     """Random SwiGLU expert weights (bf16, CUDA) and one layer's tokens routed by a random router and dispatched:
-    (w_in, w_out, rows, offsets, generator)."""
+    (w_in, w_out, rows, offsets, generator, weights, order)."""
     from moecompile.ir import ops
 
     dev = torch.device("cuda")
@@ -26,9 +26,14 @@ def dispatched_layer(d: int, f: int, e: int, k: int, tokens: int):
     w_out = torch.randn(e, d, f, generator=g, device=dev, dtype=torch.bfloat16) * f ** -0.5
     router = torch.randn(e, d, generator=g, device=dev, dtype=torch.bfloat16) * d ** -0.5
     x = torch.randn(tokens, d, generator=g, device=dev, dtype=torch.bfloat16)
-    _, ids = ops.route(x @ router.t(), k, 0.0, True)
-    rows, _, offsets = ops.dispatch(x, ids, e)
-    return w_in, w_out, rows, offsets, g
+    weights, ids = ops.route(x @ router.t(), k, 0.0, True)
+    rows, order, offsets = ops.dispatch(x, ids, e)
+    return w_in, w_out, rows, offsets, g, weights, order
+
+
+def dispatched_layer(d: int, f: int, e: int, k: int, tokens: int):
+    """routed_layer's (w_in, w_out, rows, offsets, generator)."""
+    return routed_layer(d, f, e, k, tokens)[:5]
 
 
 def main(doc: str, script: str, title: str, header: str, shapes: dict, run, argv=None) -> str:

@@ -270,6 +270,10 @@ def gather_sum(rows: torch.Tensor, order: torch.Tensor, tokens: int, top_k: int)
 
 # ---- grouped first projection with the activation in its epilogue (the expert_activation pass disappears)
 
+# what the grouped GEMMs are tuned by; a scattered store adds into its output, which tuning zeroes between its runs
+_TUNING_KEY = ["rows_bucket", "hidden", "width", "num_experts", "GATED", "SCATTER"]
+
+
 def _ffn_in_configs():
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=w, num_stages=s)
             for bm, bn, w, s in ((128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 4),
@@ -351,10 +355,25 @@ def _expert_columns(w_ptr, expert, pid_n, hidden: tl.constexpr, width: tl.conste
 
 
 @triton.jit
-def _grouped_ffn_in_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows, num_experts, rows_bucket,
-                           hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                           ACT: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _store_tile(out, out_ptr, tok_ptr, rw_ptr, rows, rmask, cols, cmask, width: tl.constexpr, SCATTER: tl.constexpr):
+    """The grouped GEMMs' store of a [rows, cols] tile: to the same rows, or (SCATTER) the combine folded in: row r
+    added, times its router weight rw[r], to output row tok[r] by atomic adds (several experts add to one row)."""
+    if SCATTER:
+        tok = tl.load(tok_ptr + rows, mask=rmask, other=0)
+        out *= tl.load(rw_ptr + rows, mask=rmask, other=0.0)[:, None]
+        tl.atomic_add(out_ptr + tok[:, None].to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
+                      mask=rmask[:, None] & cmask[None, :], sem="relaxed")
+    else:
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _grouped_ffn_in_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, tok_ptr, rw_ptr, n_rows, num_experts,
+                           rows_bucket, hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           GATED: tl.constexpr, ACT: tl.constexpr, SCATTER: tl.constexpr, E_PAD: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr):
     """out[r] = act(x[r] W_in[e]^T + b_in[e]) for the rows r of each expert e's group (gated: act(gate) * up).
     Tiles as _expert_tile says."""
     live, expert, rows, rmask, pid_n = _expert_tile(offsets_ptr, n_rows, num_experts, width, E_PAD, BLOCK_M,
@@ -376,12 +395,11 @@ def _grouped_ffn_in_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows,
                              mask=kmask[:, None] & cmask[None, :], other=0.0)
                 acc_up = tl.dot(a, bu, acc_up)
         out = _bias_activation(acc, acc_up, bias_ptr, expert, cols, cmask, width, HAS_BIAS, GATED, ACT)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & cmask[None, :])
+        _store_tile(out, out_ptr, tok_ptr, rw_ptr, rows, rmask, cols, cmask, width, SCATTER)
 
 
 _grouped_ffn_in_tuned = triton.autotune(configs=_ffn_in_configs(),
-                                        key=["rows_bucket", "hidden", "width", "num_experts", "GATED"])(
+                                        key=_TUNING_KEY, reset_to_zero=["out_ptr"])(
     _grouped_ffn_in_kernel)
 
 
@@ -396,7 +414,7 @@ def _ffn_in_decode_configs():
 
 
 _grouped_ffn_in_decode_tuned = triton.autotune(configs=_ffn_in_decode_configs(),
-                                               key=["rows_bucket", "hidden", "width", "num_experts", "GATED"])(
+                                               key=_TUNING_KEY, reset_to_zero=["out_ptr"])(
     _grouped_ffn_in_kernel)
 
 
@@ -423,12 +441,12 @@ def _tma_weight_desc(w_ptr, num_experts, hidden: tl.constexpr, width: tl.constex
 
 
 @triton.jit
-def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, expert, rows, rmask, pid_n, hidden: tl.constexpr,
+def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, tok_ptr, rw_ptr, expert, rows, rmask, pid_n, hidden: tl.constexpr,
               width: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              SCATTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One output tile from TMA-loaded operands: the k loop, bias + activation, the masked store. A row tile may
     read rows of the next expert's group (and, ungated, weight rows past this expert's width); those only reach
-    outputs the masked store skips."""
+    outputs the masked store skips. SCATTER: row r is added, times rw[r], to output row tok[r] (atomics)."""
     row0 = tl.min(rows, axis=0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < width
@@ -444,15 +462,15 @@ def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, expert, rows, rmask, pid_n, hid
             gate = tl.dot(x_desc.load([row0, k0]), w_desc.load([expert * width + pid_n * BLOCK_N, k0]).T, gate)
         up = gate  # unused
     out = _bias_activation(gate, up, bias_ptr, expert, cols, cmask, width, HAS_BIAS, GATED, ACT)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * width + cols[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=rmask[:, None] & cmask[None, :])
+    _store_tile(out, out_ptr, tok_ptr, rw_ptr, rows, rmask, cols, cmask, width, SCATTER)
 
 
 @triton.jit
-def _grouped_ffn_in_tma_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows, num_experts, rows_bucket,
-                               hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               GATED: tl.constexpr, ACT: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _grouped_ffn_in_tma_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, tok_ptr, rw_ptr, n_rows, num_experts,
+                               rows_bucket, hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               GATED: tl.constexpr, ACT: tl.constexpr, SCATTER: tl.constexpr, E_PAD: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               GROUP_M: tl.constexpr):
     """_grouped_ffn_in_kernel with its operands loaded by the tensor memory accelerator (Hopper TMA): whole
     [BLOCK_M, BLOCK_K] row tiles and weight tiles per copy."""
     live, expert, rows, rmask, pid_n = _expert_tile(offsets_ptr, n_rows, num_experts, width, E_PAD, BLOCK_M,
@@ -461,19 +479,20 @@ def _grouped_ffn_in_tma_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_r
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[n_rows, hidden], strides=[hidden, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
         w_desc = _tma_weight_desc(w_ptr, num_experts, hidden, width, GATED, BLOCK_N, BLOCK_K)
-        _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, expert, rows, rmask, pid_n, hidden, width, HAS_BIAS, GATED, ACT,
-                  BLOCK_M, BLOCK_N, BLOCK_K)
+        _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, tok_ptr, rw_ptr, expert, rows, rmask, pid_n, hidden, width,
+                  HAS_BIAS, GATED, ACT, SCATTER, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 _grouped_ffn_in_tma_tuned = triton.autotune(configs=_ffn_in_tma_configs(),
-                                            key=["rows_bucket", "hidden", "width", "num_experts", "GATED"])(
+                                            key=_TUNING_KEY, reset_to_zero=["out_ptr"])(
     _grouped_ffn_in_tma_kernel)
 
 
 @triton.jit
-def _grouped_ffn_in_persistent_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, n_rows, num_experts, rows_bucket,
-                                      hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                      GATED: tl.constexpr, ACT: tl.constexpr, E_PAD: tl.constexpr,
+def _grouped_ffn_in_persistent_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_ptr, tok_ptr, rw_ptr, n_rows,
+                                      num_experts, rows_bucket, hidden: tl.constexpr, width: tl.constexpr,
+                                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+                                      SCATTER: tl.constexpr, E_PAD: tl.constexpr,
                                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                       GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, INTERPRET: tl.constexpr):
     """_grouped_ffn_in_tma_kernel as a persistent kernel: one program per SM walks the live tiles, so the tile
@@ -489,15 +508,15 @@ def _grouped_ffn_in_persistent_kernel(x_ptr, w_ptr, bias_ptr, offsets_ptr, out_p
         while tile < tiles_m * tiles_n:
             _, expert, rows, rmask, pid_n = _tile_at(tile, tile_ends, begins, ends, tiles_m, width, E_PAD, BLOCK_M,
                                                      BLOCK_N, GROUP_M)
-            _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, expert, rows, rmask, pid_n, hidden, width, HAS_BIAS, GATED,
-                      ACT, BLOCK_M, BLOCK_N, BLOCK_K)
+            _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, tok_ptr, rw_ptr, expert, rows, rmask, pid_n, hidden, width,
+                      HAS_BIAS, GATED, ACT, SCATTER, BLOCK_M, BLOCK_N, BLOCK_K)
             tile += NUM_SMS
     else:
         for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, flatten=True):
             _, expert, rows, rmask, pid_n = _tile_at(tile, tile_ends, begins, ends, tiles_m, width, E_PAD, BLOCK_M,
                                                      BLOCK_N, GROUP_M)
-            _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, expert, rows, rmask, pid_n, hidden, width, HAS_BIAS, GATED,
-                      ACT, BLOCK_M, BLOCK_N, BLOCK_K)
+            _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, tok_ptr, rw_ptr, expert, rows, rmask, pid_n, hidden, width,
+                      HAS_BIAS, GATED, ACT, SCATTER, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def _ffn_in_persistent_configs():
@@ -508,7 +527,7 @@ def _ffn_in_persistent_configs():
 
 
 _grouped_ffn_in_persistent_tuned = triton.autotune(configs=_ffn_in_persistent_configs(),
-                                                   key=["rows_bucket", "hidden", "width", "num_experts", "GATED"])(
+                                                   key=_TUNING_KEY, reset_to_zero=["out_ptr"])(
     _grouped_ffn_in_persistent_kernel)
 
 
@@ -539,15 +558,24 @@ def _num_sms(device: torch.device) -> int:
 
 
 def grouped_ffn_in(x: torch.Tensor, offsets: torch.Tensor, w_in: torch.Tensor, b_in, activation: str, gated: bool,
-                   config: dict | None = None, variant: str = "triton") -> torch.Tensor:
+                   config: dict | None = None, variant: str = "triton",
+                   scatter: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Fused first projection + bias + activation over rows in expert order; rows past offsets[-1] untouched.
     `variant` names the kernel (GROUPED_GEMMS; the TMA ones need tma_supported). `config` fixes the tiles (tests,
     the interpreter: BLOCK_M/N/K, GROUP_M); otherwise autotuned per shape.
-    With activation None it is a plain projection x W^T + b (the second one)."""
+    With activation None it is a plain projection x W^T + b (the second one).
+    scatter = (tokens, row_weights, out): the weighted combine folded into the store, returning out after
+    out[tokens[r]] += row_weights[r] * row r for r < offsets[-1] (tokens int32 and row_weights float32 per row; out
+    [T, width], zeroed by the caller, float32 or x's dtype). Atomic adds: the sums' order, so their rounding, varies
+    from run to run."""
     n_rows, hidden = x.shape
     num_experts, in_width, _ = w_in.shape
     width = in_width // 2 if gated else in_width
-    out = x.new_empty(n_rows, width)
+    if scatter is not None:
+        tokens, row_weights, out = scatter
+    else:
+        out = x.new_empty(n_rows, width)
+        tokens = row_weights = offsets  # unread
     if n_rows == 0:
         return out
     x, w_in = x.contiguous(), w_in.contiguous()
@@ -567,8 +595,8 @@ def grouped_ffn_in(x: torch.Tensor, offsets: torch.Tensor, w_in: torch.Tensor, b
     if tma:
         triton.set_allocator(_tma_scratch)  # descriptors built on the device need a little global scratch
     kernel = fixed if config is not None else tuned
-    kernel[grid](x, w_in, b_in if b_in is not None else x, offsets, out, n_rows, num_experts,
+    kernel[grid](x, w_in, b_in if b_in is not None else x, offsets, out, tokens, row_weights, n_rows, num_experts,
                  triton.next_power_of_2(n_rows), hidden=hidden, width=width, HAS_BIAS=b_in is not None, GATED=gated,
-                 ACT=ACTIVATION_IDS[activation] if activation else -1, E_PAD=triton.next_power_of_2(num_experts),
-                 **extra, **(config or {}))
+                 ACT=ACTIVATION_IDS[activation] if activation else -1, SCATTER=scatter is not None,
+                 E_PAD=triton.next_power_of_2(num_experts), **extra, **(config or {}))
     return out

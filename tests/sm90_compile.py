@@ -32,16 +32,20 @@ def compile_kernel(fn, types: dict, consts: dict, **options) -> None:
 
 
 def cases():
-    gemm = {"x_ptr": BF16, "w_ptr": BF16, "bias_ptr": BF16, "offsets_ptr": "*i32", "out_ptr": BF16}
+    gemm = {"x_ptr": BF16, "w_ptr": BF16, "bias_ptr": BF16, "offsets_ptr": "*i32", "out_ptr": BF16, "tok_ptr": "*i32",
+            "rw_ptr": "*fp32"}
     tiles = dict(E_PAD=8, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, hidden=4096, width=14336)
     for kernel in (triton_moe._grouped_ffn_in_kernel, triton_moe._grouped_ffn_in_tma_kernel):
         for gated, act, bias, label in ((True, 3, False, "swiglu"), (False, 0, True, "gelu+bias"),
                                         (False, -1, True, "no activation (second projection)")):
-            yield kernel, label, gemm, dict(tiles, HAS_BIAS=bias, GATED=gated, ACT=act), dict(num_warps=8,
-                                                                                               num_stages=3)
-    for gated, act, bias, label in ((True, 3, False, "swiglu"), (False, -1, True, "second projection")):
-        yield (triton_moe._grouped_ffn_in_persistent_kernel, label, gemm,
-               dict(tiles, HAS_BIAS=bias, GATED=gated, ACT=act, NUM_SMS=132, INTERPRET=False),
+            yield kernel, label, gemm, dict(tiles, HAS_BIAS=bias, GATED=gated, ACT=act, SCATTER=False), dict(
+                num_warps=8, num_stages=3)
+    for gated, act, bias, scatter, out, label in (
+            (True, 3, False, False, BF16, "swiglu"), (False, -1, True, False, BF16, "second projection"),
+            (False, -1, False, True, BF16, "second projection, combine scattered, bf16 adds"),
+            (False, -1, False, True, "*fp32", "second projection, combine scattered, float32 adds")):
+        yield (triton_moe._grouped_ffn_in_persistent_kernel, label, {**gemm, "out_ptr": out},
+               dict(tiles, HAS_BIAS=bias, GATED=gated, ACT=act, SCATTER=scatter, NUM_SMS=132, INTERPRET=False),
                dict(num_warps=8, num_stages=3))
     act = {"h_ptr": BF16, "bias_ptr": BF16, "offsets_ptr": "*i32", "out_ptr": BF16}
     yield (triton_moe._expert_activation_kernel, "swiglu", act,

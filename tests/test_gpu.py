@@ -10,7 +10,7 @@ import torch
 
 from moecompile import MoEBlock, MoEConfig
 from moecompile.ir import ops
-from moecompile.kernels import quack_gemm, triton_routing
+from moecompile.kernels import quack_gemm, triton_moe, triton_routing
 from moecompile.kernels import reference as R
 from moecompile.runtime import choices, graphs
 from moecompile.runtime import cuda as C
@@ -431,7 +431,7 @@ def test_gluon_fp8_matches_reference_math(counts, hidden, width, activation, gat
     """kernels/gluon_fp8.py against the reference experts_fp8 (the same block math in float32), groups of any size,
     with 10 input rows past offsets[-1] (dropped assignments: their outputs are unspecified)."""
     from moecompile.core import fp8_format as F
-    from moecompile.kernels import gluon_fp8, triton_moe
+    from moecompile.kernels import gluon_fp8
 
     gen = torch.Generator(device=DEVICE).manual_seed(len(counts) + hidden)
     e = len(counts)
@@ -508,6 +508,30 @@ def test_fp8_block_dispatches_fp8_rows_on_gpu(gemm, block_kernel, monkeypatch):
         want = block(x)
     print("fp8 block vs reference kernels", gemm, _rel(got, want))
     assert got.dtype == torch.bfloat16 and _rel(got, want) <= (8e-2 if gemm == "rowwise" else 2e-2)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,capacity_factor", [(2048, 128, 8, 0.0), (1000, 8, 2, 1.0),
+                                                                  (333, 6, 6, 0.0), (1, 8, 2, 0.0)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["triton_tma", "triton_persistent"])
+def test_second_projection_scattering_the_combine_matches_float32_reference(tokens, experts, top_k, capacity_factor,
+                                                                            out_dtype, variant):
+    """The combine folded into the second projection's store by atomic adds, autotuned (its tuning runs zero the
+    output in between), against the float32 projection and combine."""
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    hidden, width = 256, 512
+    weights, ids = ops.route(torch.randn(tokens, experts, generator=gen, device=DEVICE), top_k, capacity_factor, True)
+    a, order, offsets = ops.dispatch(torch.randn(tokens, width, generator=gen, device=DEVICE), ids, experts)
+    w = torch.randn(experts, hidden, width, generator=gen, device=DEVICE) * width ** -0.5
+    y, start = torch.zeros(a.shape[0], hidden, device=DEVICE), 0
+    for e, end in enumerate(offsets.tolist()):
+        y[start:end], start = a[start:end] @ w[e].t(), end
+    want = R.combine(y, order, weights)
+    out = torch.zeros(tokens, hidden, device=DEVICE, dtype=out_dtype)
+    row_weights = weights.reshape(-1).index_select(0, order).float()
+    got = triton_moe.grouped_ffn_in(a.bfloat16(), offsets, w.bfloat16(), None, None, False, variant=variant,
+                                    scatter=((order // top_k).to(torch.int32), row_weights, out))
+    assert _rel(got, want) <= (1e-2 if out_dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(4096, 8, 2), (2048, 128, 8), (1024, 256, 8), (333, 6, 6)])

@@ -105,6 +105,31 @@ def test_grouped_projection_without_activation(variant, group_m):
                                atol=1e-4, rtol=1e-4)
 
 
+# (experts, top_k, capacity factor, logits skew): dropped assignments, k = E, every token to one expert (+ empty ones)
+@pytest.mark.parametrize("experts,top_k,capacity,skew", [(4, 2, 0.6, 0.0), (3, 3, 0.0, 0.0), (5, 1, 0.0, 50.0)])
+@pytest.mark.parametrize("variant", list(triton_moe.GROUPED_GEMMS))
+def test_second_projection_with_the_combine_scattered(variant, experts, top_k, capacity, skew):
+    """scatter=: the weighted combine folded into the second projection's store, against the projection followed by
+    the reference combine (float32 adds: the interpreter has no bf16 atomics; tests/test_gpu.py runs those)."""
+    gen = torch.Generator().manual_seed(7)
+    tokens, hidden, width = 13, 24, 20
+    logits = torch.randn(tokens, experts, generator=gen)
+    logits[:, 0] += skew
+    weights, ids = R.route(logits, top_k, capacity, True)
+    a_tokens = torch.randn(tokens, hidden, generator=gen)
+    a, order, offsets = R.dispatch(a_tokens, ids, experts)
+    w, b = torch.randn(experts, width, hidden, generator=gen) * 0.3, torch.randn(experts, width, generator=gen)
+    config = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
+    want = R.combine(triton_moe.grouped_ffn_in(a, offsets, w, b, None, False, config=config, variant=variant), order,
+                     weights)
+    row_weights = weights.reshape(-1).index_select(0, order).float()
+    out = torch.zeros(tokens, width)
+    got = triton_moe.grouped_ffn_in(a, offsets, w, b, None, False, config=config, variant=variant,
+                                    scatter=((order // top_k).to(torch.int32), row_weights, out))
+    assert got is out
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("variant", list(triton_moe.GROUPED_GEMMS))
 @pytest.mark.parametrize("activation,gated,bias", [("silu", True, False), ("gelu_tanh", False, True),
                                                    ("relu", True, True), ("gelu", False, False)])
