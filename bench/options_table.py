@@ -5,6 +5,7 @@ import argparse
 import platform
 import sys
 import time
+import types
 
 import torch
 
@@ -15,9 +16,9 @@ def ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def routed_layer(d: int, f: int, e: int, k: int, tokens: int):
-    """Random SwiGLU expert weights (bf16, CUDA) and one layer's tokens routed by a random router and dispatched:
-    (w_in, w_out, rows, offsets, generator, weights, order)."""
+def routed_layer(d: int, f: int, e: int, k: int, tokens: int) -> types.SimpleNamespace:
+    """Random SwiGLU expert weights (bf16, CUDA) and one layer's tokens x routed by a random router and dispatched:
+    w_in, w_out, router, x, weights, ids, rows, order, offsets and the generator g."""
     from moecompile.ir import ops
 
     dev = torch.device("cuda")
@@ -28,12 +29,14 @@ def routed_layer(d: int, f: int, e: int, k: int, tokens: int):
     x = torch.randn(tokens, d, generator=g, device=dev, dtype=torch.bfloat16)
     weights, ids = ops.route(x @ router.t(), k, 0.0, True)
     rows, order, offsets = ops.dispatch(x, ids, e)
-    return w_in, w_out, rows, offsets, g, weights, order
+    return types.SimpleNamespace(w_in=w_in, w_out=w_out, router=router, x=x, weights=weights, ids=ids, rows=rows,
+                                 order=order, offsets=offsets, g=g)
 
 
 def dispatched_layer(d: int, f: int, e: int, k: int, tokens: int):
-    """routed_layer's (w_in, w_out, rows, offsets, generator)."""
-    return routed_layer(d, f, e, k, tokens)[:5]
+    """routed_layer's (w_in, w_out, rows, offsets, g)."""
+    r = routed_layer(d, f, e, k, tokens)
+    return r.w_in, r.w_out, r.rows, r.offsets, r.g
 
 
 def main(doc: str, script: str, title: str, header: str, shapes: dict, run, argv=None) -> str:

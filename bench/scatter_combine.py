@@ -4,16 +4,19 @@ cost a quarter of the layer outside its GEMMs?
 
 On the device:  python bench/scatter_combine.py --out bench/results/gpu-scatter-combine.md
 
-Same rows (random router, dropless), weights and activations a = the first projection's output; median ms
-(triton's do_bench), bf16 operands. Variants:
+Same tokens, router, weights (random, dropless) for every row; median ms (triton's do_bench), bf16 operands.
+The second projection alone, on the first projection's output a (random here) in expert order:
 - <kernel> + combine: the second projection writing its rows in expert order (triton_persistent autotuned, QuACK
-  where the quack extra is installed), then moecompile's deterministic combine kernel (a gather per token);
-- combine alone, the projection alone: the parts of the row above;
+  with its tuned configuration where the quack extra is installed), then moecompile's deterministic combine kernel
+  (a gather per token); <kernel> alone and combine alone: its parts;
 - scattered, <dtype> adds: triton_persistent with the combine in its store: each row, times its router weight,
   atomically added to its token's output row (zeroed first, in the time), float32 adds then a cast to bf16, or bf16
   adds straight into the output.
-err: relative to the float32 projection and combine. The fold is worth building into the layer only where a
-scattered row beats the best "+ combine" row.
+The whole layer from a CUDA graph (router GEMM, top-k, dispatch, both projections, combine):
+- layer, <second> + combine: the runtime's experts (its table's kernels) then the combine kernel;
+- layer, <first> + triton_persistent scattering bf16 adds: the runtime's first projection, then the scattered
+  second projection.
+err: relative to a float32 reference of the same computation (the projection and combine, or the layer).
 """
 from __future__ import annotations
 
@@ -21,22 +24,33 @@ import options_table
 import torch
 from options_table import ms
 
-from moecompile.kernels import quack_gemm, reference, triton_moe
-from moecompile.runtime import choices
+from moecompile.kernels import quack_gemm, reference, triton_moe, triton_routing
+from moecompile.runtime import choices, graphs
+from moecompile.runtime import cuda as runtime
 
 SHAPES = {"qwen3-moe": (2048, 768, 128, 8, 8192), "sonic-7b": (1536, 256, 128, 8, 24576),
           "sonic-30b": (4096, 512, 128, 8, 32768), "deepseek-v3": (7168, 2048, 256, 8, 4096),
           "mixtral": (4096, 14336, 8, 2, 4096)}
 
 
-def run(name, d, f, e, k, tokens, lines):
-    _, w_out, _, offsets, g, weights, order = options_table.routed_layer(d, f, e, k, tokens)
-    a = torch.randn(order.shape[0], f, generator=g, device=w_out.device, dtype=torch.bfloat16)
+def expert_order_rows(rows, offsets, weights_of):
+    """float32 rows[r] @ weights_of(e).T for the rows r of each expert e's group."""
+    starts = [0, *offsets[:-1].tolist()]
+    return torch.cat([rows[s:t].float() @ weights_of(e).float().t() for e, (s, t) in
+                      enumerate(zip(starts, offsets.tolist()))])
+
+
+def scattered_second(a, offsets, w_out, token_of_row, row_weights, tokens, dtype):
+    out = torch.zeros(tokens, w_out.shape[1], device=a.device, dtype=dtype)
+    triton_moe.grouped_ffn_in(a, offsets, w_out, None, None, False, variant="triton_persistent",
+                              scatter=(token_of_row, row_weights, out))
+    return out.to(torch.bfloat16)
+
+
+def projection_variants(r, a, tokens, k):
+    offsets, order, weights, w_out = r.offsets, r.order, r.weights, r.w_out
     token_of_row = (order // k).to(torch.int32)
     row_weights = weights.reshape(-1).index_select(0, order).float()
-    y = torch.cat([a[s:t].float() @ w_out[i].float().t() for i, (s, t) in
-                   enumerate(zip([0, *offsets[:-1].tolist()], offsets.tolist()))])
-    want = reference.combine(y, order, weights)
 
     def second(kernel):
         if kernel == "quack":
@@ -44,33 +58,74 @@ def run(name, d, f, e, k, tokens, lines):
             return lambda: quack_gemm.second_projection(a, quack_gemm.group_starts(offsets), w_out, None, config=config)
         return lambda: triton_moe.grouped_ffn_in(a, offsets, w_out, None, None, False, variant=kernel)
 
-    def scattered(dtype):
-        def fn():
-            out = torch.zeros(tokens, d, device=a.device, dtype=dtype)
-            triton_moe.grouped_ffn_in(a, offsets, w_out, None, None, False, variant="triton_persistent",
-                                      scatter=(token_of_row, row_weights, out))
-            return out.to(torch.bfloat16)
-        return fn
-
-    kernels = ["triton_persistent"] + (["quack"] if quack_gemm.supported(a, w_out.transpose(1, 2), w_out, None,
-                                                                         False) else [])
+    kernels = ["triton_persistent"]
+    if quack_gemm.supported(a, w_out.transpose(1, 2), w_out, None, False):
+        kernels.append("quack")
     variants = []
     for kernel in kernels:
         project = second(kernel)
         variants += [(f"{kernel} + combine", lambda p=project: triton_moe.combine(p(), order, weights)),
                      (f"{kernel} alone", project)]
     rows_out = second(kernels[-1])()
-    variants += [("combine alone", lambda: triton_moe.combine(rows_out, order, weights)),
-                 ("scattered, float32 adds", scattered(torch.float32)),
-                 ("scattered, bf16 adds", scattered(torch.bfloat16))]
-    flops = 2 * order.shape[0] * f * d
-    for label, fn in variants:
+    variants.append(("combine alone", lambda: triton_moe.combine(rows_out, order, weights)))
+    for dtype, label in ((torch.float32, "float32"), (torch.bfloat16, "bf16")):
+        variants.append((f"scattered, {label} adds", lambda dtype=dtype: scattered_second(
+            a, offsets, w_out, token_of_row, row_weights, tokens, dtype)))
+    return variants
+
+
+def layer_variants(r, k):
+    """The layer as the runtime runs it, and with its second projection scattering the combine."""
+    x, e = r.x, r.w_in.shape[0]
+    first, second = runtime._projection_kernels(x, r.w_in, r.w_out, "silu", True, rows=x.shape[0] * k)
+
+    def route():
+        weights, ids = triton_routing.topk(reference.router_logits(x, r.router, None, False), k, True)
+        _, order, offsets = triton_routing.dispatch(x, ids, e, copy_rows=False)
+        return weights, order, offsets
+
+    def as_run():
+        weights, order, offsets = route()
+        y = runtime.experts_gathered(x, order, offsets, k, r.w_in, None, r.w_out, None, "silu", True)
+        return triton_moe.combine(y, order, weights)
+
+    def scattered():
+        weights, order, offsets = route()
+        a, _ = runtime.gathered_first_projection(x, order, offsets, k, r.w_in, None, r.w_out, "silu", True)
+        return scattered_second(a, offsets, r.w_out, (order // k).to(torch.int32),
+                                weights.reshape(-1).index_select(0, order).float(), x.shape[0], torch.bfloat16)
+
+    return [(f"layer, {first} + {second} + combine", as_run),
+            (f"layer, {first} + triton_persistent scattering bf16 adds", scattered)]
+
+
+def graphed(fn):
+    fn()  # compiles and autotunes outside the capture
+    graph, _ = graphs.capture(fn)
+    return graph.replay
+
+
+def run(name, d, f, e, k, tokens, lines):
+    r = options_table.routed_layer(d, f, e, k, tokens)
+    a = torch.randn(r.order.shape[0], f, generator=r.g, device=r.x.device, dtype=torch.bfloat16)
+    want = reference.combine(expert_order_rows(a, r.offsets, lambda i: r.w_out[i]), r.order, r.weights)
+    act = expert_order_rows(r.rows, r.offsets, lambda i: r.w_in[i])
+    gate, up = act.chunk(2, dim=1)
+    layer_rows = torch.nn.functional.silu(gate) * up
+    starts = [0, *r.offsets[:-1].tolist()]
+    layer_y = torch.cat([layer_rows[s:t] @ r.w_out[i].float().t() for i, (s, t) in
+                         enumerate(zip(starts, r.offsets.tolist()))])
+    want_layer = reference.combine(layer_y, r.order, r.weights)
+    flops = 2 * r.order.shape[0] * f * d
+    rows = [(label, fn, want, False) for label, fn in projection_variants(r, a, tokens, k)]
+    rows += [(label, fn, want_layer, True) for label, fn in layer_variants(r, k)]
+    for label, fn, ref, whole in rows:
         try:
             out = fn()
-            err = ((out.float() - want).norm() / want.norm()).item() if out.shape == want.shape else float("nan")
-            t = ms(fn)
-            lines.append(f"| {name} | {d}, {f}, {e}, {k}, {tokens} | {label} | {t:.3f} | {flops / t / 1e9:.0f} | "
-                         f"{err:.1e} |")
+            err = ((out.float() - ref).norm() / ref.norm()).item() if out.shape == ref.shape else float("nan")
+            t = ms(graphed(fn) if whole else fn)
+            lines.append(f"| {name} | {d}, {f}, {e}, {k}, {tokens} | {label} | {t:.3f} | "
+                         f"{'' if whole else f'{flops / t / 1e9:.0f}'} | {err:.1e} |")
         except Exception as ex:  # noqa: BLE001 - a variant that cannot run here is a row saying why
             lines.append(f"| {name} | {d}, {f}, {e}, {k}, {tokens} | {label} | failed: {str(ex).splitlines()[0][:80]}"
                          " | | |")
@@ -80,7 +135,7 @@ def run(name, d, f, e, k, tokens, lines):
 def main(argv=None):
     return options_table.main(
         __doc__, "scatter_combine.py", "The combine folded into the second projection (moecompile)",
-        "| shape | d, f, E, k, tokens | variant | ms | TF/s (projection FLOPs) | err |", SHAPES, run, argv)
+        "| shape | d, f, E, k, tokens | variant | ms | TF/s (second projection) | err |", SHAPES, run, argv)
 
 
 if __name__ == "__main__":

@@ -110,31 +110,40 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     if not grouped_mm.supported(x, w_in, w_out):
         return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
     first, second = _projection_kernels(x, w_in, w_out, activation, gated)
-    if first in choices.QUACK_KERNELS:
-        a, _ = _quack_first_projection(x, offsets, w_in, b_in, activation, gated)
-    elif first.startswith("triton"):
-        a = triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, variant=first)
-    else:
-        a, _ = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
-    return _second_projection(a, offsets, w_out, b_out, second)
+    return _second_projection(_first_projection(x, offsets, w_in, b_in, activation, gated, first), offsets, w_out,
+                              b_out, second)
+
+
+def _first_projection(x, offsets, w_in, b_in, activation: str, gated: bool, kernel: str):
+    """act(x W_in^T + b_in) over dispatched rows on `kernel` (QuACK gathering reads the rows as given here)."""
+    if kernel in choices.QUACK_KERNELS:
+        return _quack_first_projection(x, offsets, w_in, b_in, activation, gated)[0]
+    if kernel.startswith("triton"):
+        return triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, variant=kernel)
+    return _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)[0]
 
 
 def experts_gathered(hidden, order, offsets, top_k: int, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     """QuACK's first projection gathers its rows from hidden where "quack_gathered" is the chosen kernel (no row copy,
     and no pre-activation written); the other kernels read a gathered copy, as dispatch would have written it."""
-    rows = order.shape[0]
-    if rows and grouped_mm.supported(hidden, w_in, w_out):
-        first, second = _projection_kernels(hidden, w_in, w_out, activation, gated, rows=rows)
-        if first == "quack_gathered":
-            starts = quack_gemm.group_starts(offsets)
-            a = quack_gemm.first_projection(hidden.contiguous(), starts, w_in, b_in, activation, gated,
-                                            gather_rows=(order // top_k).to(torch.int32),
-                                            config=choices.quack_config("first", w_in.shape[2], w_in.shape[1],
-                                                                        gathered=True))
-            return _second_projection(a, offsets, w_out, b_out, second)
-        return experts(triton_routing.gather_rows(hidden, order, top_k), offsets, w_in, b_in, w_out, b_out,
-                       activation, gated)
+    if order.shape[0] and grouped_mm.supported(hidden, w_in, w_out):
+        a, second = gathered_first_projection(hidden, order, offsets, top_k, w_in, b_in, w_out, activation, gated)
+        return _second_projection(a, offsets, w_out, b_out, second)
     return experts(hidden.index_select(0, order // top_k), offsets, w_in, b_in, w_out, b_out, activation, gated)
+
+
+def gathered_first_projection(hidden, order, offsets, top_k: int, w_in, b_in, w_out, activation: str, gated: bool):
+    """(the first projection's output over the rows hidden[order // top_k], the second projection's kernel), on the
+    kernels the table picks for this many rows: QuACK gathering the rows itself, or any kernel on their copy."""
+    first, second = _projection_kernels(hidden, w_in, w_out, activation, gated, rows=order.shape[0])
+    if first == "quack_gathered":
+        a = quack_gemm.first_projection(hidden.contiguous(), quack_gemm.group_starts(offsets), w_in, b_in, activation,
+                                        gated, gather_rows=(order // top_k).to(torch.int32),
+                                        config=choices.quack_config("first", w_in.shape[2], w_in.shape[1],
+                                                                    gathered=True))
+        return a, second
+    return _first_projection(triton_routing.gather_rows(hidden, order, top_k), offsets, w_in, b_in, activation, gated,
+                             first), second
 
 
 def _trains_on_quack(x, w_in, w_out, activation: str, gated: bool) -> bool:
