@@ -567,7 +567,8 @@ def grouped_ffn_in(x: torch.Tensor, offsets: torch.Tensor, w_in: torch.Tensor, b
     scatter = (tokens, row_weights, out): the weighted combine folded into the store, returning out after
     out[tokens[r]] += row_weights[r] * row r for r < offsets[-1] (tokens int32 and row_weights float32 per row; out
     [T, width], zeroed by the caller, float32 or x's dtype). Atomic adds: the sums' order, so their rounding, varies
-    from run to run."""
+    from run to run. No runtime path takes it: the layer measured slower with it than with the projection then the
+    combine kernel (bench/scatter_combine.py)."""
     n_rows, hidden = x.shape
     num_experts, in_width, _ = w_in.shape
     width = in_width // 2 if gated else in_width
