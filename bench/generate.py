@@ -22,9 +22,9 @@ Modes, all in one run:
                      moecompile.generate's loop (not in the default list; cos is not measured)
   moecompile-unfused the same without the fuse_projections pass (not in the default list: what that pass gives)
   moecompile-sorted  the same without the direct_experts pass: the sorted experts at decode (not in the default list)
-  moecompile-direct  the same with direct_experts taking up to one assignment per expert (Mixtral's one token in bf16,
-                     which its threshold keeps sorted): the data for direct_experts.MAX_ASSIGNMENTS_PER_EXPERT (not in
-                     the default list)
+  moecompile-direct  the same with direct_experts taking up to one assignment per expert (Mixtral's batches of up to
+                     4 tokens, Qwen3-30B-A3B's of up to 16, which its threshold keeps sorted): the data for
+                     direct_experts.MAX_ASSIGNMENTS_PER_EXPERT (not in the default list)
   moecompile-repeat-kv the same without the gqa_attention pass: HF's repeated key/value heads (not in the default list)
   moecompile-gemm    the same without decode_matvec: cuBLAS GEMMs for the one-token linears (not in the default list)
   moecompile-split-kv the same with option decode_attention: the step's attention on moecompile's split-KV kernel

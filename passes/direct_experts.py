@@ -24,21 +24,19 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from moecompile.ir.ops import glu_args
-from moecompile.passes.insert_fp8 import experts_in_fp8
 from moecompile.passes.nodes import arg, block_meta, call, call_op, moe_op, op_args, value
 
 ROUTED_EXPERTS = torch.ops.moecompile.routed_experts.default
 NEEDS_DISPATCHED_ROWS = ("expert_parallel",)  # options whose passes rewrite the dispatched rows
-# Direct while there are at most this many assignments per expert, so that few experts are read twice: one token of
-# Qwen3-30B-A3B or DeepSeek-V3 (8 of 128 / 256), not Mixtral's in bf16 (2 of 8, where the sorted kernels measured as
-# fast). FP8 experts go direct at any one token, whose experts are distinct: the sorted FP8 path at one token
-# quantises the activations for a GEMM kernel built for batches, which read Mixtral's weights slower than the direct
-# FP8 kernels (bench/results/gpu-direct-experts.md, gpu-generate.md).
+# Direct at any one token, whose experts are distinct (Mixtral's 2 of 8 included: there the sorted path's expert
+# kernels are as fast, and its routing, dispatch and combine cost more than a sum; in FP8 it would also quantise the
+# row for a GEMM kernel built for batches), and beyond while there are at most this many assignments per expert, so
+# that few experts are read twice (bench/results/gpu-direct-experts.md, gpu-generate.md).
 MAX_ASSIGNMENTS_PER_EXPERT = 0.125
 
 
-def decode_sized(tokens: int, top_k: int, num_experts: int, fp8: bool = False) -> bool:
-    return tokens * top_k <= MAX_ASSIGNMENTS_PER_EXPERT * num_experts or (fp8 and tokens == 1)
+def decode_sized(tokens: int, top_k: int, num_experts: int) -> bool:
+    return tokens == 1 or tokens * top_k <= MAX_ASSIGNMENTS_PER_EXPERT * num_experts
 
 
 def _static_int(size) -> int | None:
@@ -68,13 +66,12 @@ def _match(combine: fx.Node):
     return dispatch, experts
 
 
-def _decode_sized(dispatch: fx.Node, fp8: bool) -> bool:
+def _decode_sized(dispatch: fx.Node) -> bool:
     hidden, ids = value(arg(dispatch, "hidden")), value(arg(dispatch, "expert_ids"))
     if hidden is None or ids is None:
         return False
     tokens, top_k = _static_int(ids.shape[0]), _static_int(ids.shape[-1])
-    return tokens is not None and top_k is not None and decode_sized(tokens, top_k, arg(dispatch, "num_experts"),
-                                                                     fp8)
+    return tokens is not None and top_k is not None and decode_sized(tokens, top_k, arg(dispatch, "num_experts"))
 
 
 def direct_experts(gm: fx.GraphModule, ctx) -> dict:
@@ -89,8 +86,7 @@ def direct_experts(gm: fx.GraphModule, ctx) -> dict:
             continue
         dispatch, experts = found
         e = op_args(experts)
-        fp8 = experts_in_fp8(ctx, e["w_in"], e["w_out"])
-        if glu_args(e["activation"], e["interleaved"], e["alpha"], e["limit"]) or not _decode_sized(dispatch, fp8):
+        if glu_args(e["activation"], e["interleaved"], e["alpha"], e["limit"]) or not _decode_sized(dispatch):
             continue
         meta = block_meta(experts)
         x = arg(dispatch, "hidden")

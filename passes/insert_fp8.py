@@ -241,7 +241,7 @@ def _replace(gm: fx.GraphModule, node: fx.Node, new: fx.Node, before: set) -> No
     gm.graph.erase_node(node)
 
 
-def experts_in_fp8(ctx, w_in: fx.Node, w_out: fx.Node) -> bool:
+def _experts_in_fp8(ctx, w_in: fx.Node, w_out: fx.Node) -> bool:
     """Whether insert_fp8 runs these experts in FP8: all of them under option fp8, else those stored in FP8."""
     return bool(ctx.options.get("fp8")) or (w_in in ctx.fp8_scales and w_out in ctx.fp8_scales)
 
@@ -260,7 +260,7 @@ def insert_fp8(gm: fx.GraphModule, ctx) -> dict:
         w_in, b_in, w_out, b_out = (a[k] for k in ("w_in", "b_in", "w_out", "b_out"))
         activation, gated = a["activation"], a["gated"]
         as_stored = w_in in stored and w_out in stored
-        if a["interleaved"] or not experts_in_fp8(ctx, w_in, w_out):  # GPT-OSS interleaved gate/up: no FP8 kernel
+        if a["interleaved"] or not _experts_in_fp8(ctx, w_in, w_out):  # GPT-OSS interleaved gate/up: no FP8 kernel
             continue
         why = None if as_stored else _unsupported(gm, [w_in, w_out])
         if why:

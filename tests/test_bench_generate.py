@@ -83,14 +83,14 @@ def test_model_that_does_not_fit_is_a_row(bench, tmp_path):
 
 
 def test_direct_mode_raises_the_threshold_for_its_run_only(bench, tmp_path):
-    """moecompile-direct: Mixtral's one token (2 of 8 experts), sorted by default in bf16, goes direct in that mode,
-    and the pass's threshold is back afterwards."""
+    """moecompile-direct: a batch of two Mixtral tokens (4 assignments over 8 experts), sorted by default, goes direct
+    in that mode, and the pass's threshold is back afterwards."""
     from moecompile.passes import direct_experts
 
     threshold = direct_experts.MAX_ASSIGNMENTS_PER_EXPERT
     direct = {}
     for mode in ("moecompile", "moecompile-direct"):
-        assert bench.main(["--tiny", "--models", "mixtral-8x7b", "--layers", "1", "--batches", "1", "--context", "4",
+        assert bench.main(["--tiny", "--models", "mixtral-8x7b", "--layers", "1", "--batches", "2", "--context", "4",
                            "--new", "2", "--reps", "1", "--modes", mode, "--no-profile",
                            "--out", str(tmp_path / f"{mode}.md")]) == 0
         step = moecompile.backend.records()[-1]  # the decode step's graph

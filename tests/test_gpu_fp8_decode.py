@@ -78,7 +78,7 @@ def test_cuda_fp8_linear_matches_reference(rows, n, k, split):
 def _qwen3_moe(family: str = "qwen3"):
     """A tiny Qwen3-MoE whose sizes are whole 128-blocks and whose 16 experts at top-2 make one token decode-sized
     for direct_experts (bf16, CUDA); family "mixtral": a Mixtral of the same sizes with 4 experts at top-2, whose one
-    token goes direct only in FP8."""
+    token goes direct too (any one token does)."""
     torch.manual_seed(0)
     sizes = dict(hidden_size=256, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=64, eos_token_id=None)
