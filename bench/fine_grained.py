@@ -52,6 +52,7 @@ GEMM_KERNELS = ("triton_persistent", "grouped_mm", "quack")
 OUR_VARIANTS = {"auto": ("auto", "auto"), "quack": ("quack", "quack"), "quack gathered": ("quack_gathered", "quack")}
 TRAIN_SHAPES = ("qwen3-moe", "mixtral")  # the issue's training targets
 WITH_SONIC = True  # --no-sonic: its autotuning compiles for minutes per shape
+WITH_TRAINING = True  # --forward-only: the training rows of TRAIN_SHAPES left out
 PROFILE = False  # --profile: a kernel breakdown of our layer per shape
 SONIC_CACHE = None  # --sonic-cache: where SonicMoE's autotuning results are kept between runs
 TRAIN_COLUMNS = ("ours", "ours quack", "ours quack, folded", "ours quack, combine apart", "ours grouped_mm",
@@ -251,7 +252,7 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
             f"{share(ours_best)} | " + ", ".join(f"{kk} {v:.1e}" for kk, v in errs.items() if v is not None) + " |")
     out_lines.append(line)
     print(line, flush=True)
-    if name in TRAIN_SHAPES:
+    if name in TRAIN_SHAPES and WITH_TRAINING:
         train_lines.append(train_row(name, ours, hf, sonic, x, notes))
         print(train_lines[-1], flush=True)
     ours = hf = sonic = None  # frees the device memory before the next shape
@@ -300,13 +301,15 @@ def main(argv=None):
                    help="also our layer with QuACK's gathered first projection on SonicMoE's interleaved gate / up "
                         "rows")
     p.add_argument("--train-only", action="store_true", help="only the training rows (of every --shapes shape)")
+    p.add_argument("--forward-only", action="store_true", help="no training rows")
     p.add_argument("--no-sonic", action="store_true", help="without SonicMoE")
     p.add_argument("--profile", action="store_true", help="print a kernel breakdown of our quack layers")
     p.add_argument("--sonic-cache", default=None,
                    help="keep SonicMoE's autotuning results here, apart from other callers' (gpu_check.sh sets it)")
     a = p.parse_args(argv)
-    global WITH_SONIC, SONIC_CACHE, PROFILE
+    global WITH_SONIC, SONIC_CACHE, PROFILE, WITH_TRAINING
     WITH_SONIC, SONIC_CACHE, PROFILE = not a.no_sonic, a.sonic_cache, a.profile
+    WITH_TRAINING = not a.forward_only
     torch.backends.cuda.matmul.allow_tf32 = False
     start = time.time()
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
