@@ -29,6 +29,9 @@ Modes, all in one run:
   moecompile-gemm    the same without decode_matvec: cuBLAS GEMMs for the one-token linears (not in the default list)
   moecompile-split-kv the same with option decode_attention: the step's attention on moecompile's split-KV kernel
                      instead of SDPA (not in the default list)
+  moecompile-pdl     the same with inductor's kernels launched as programmatic dependents (Hopper's PDL: a kernel
+                     starts while the one before it finishes; inductor config triton.enable_pdl); moecompile-fp8-pdl
+                     the same on the FP8 model (neither in the default list)
 Floor: the bytes one decode step must read, at the copy bandwidth measured in the same run. Weights: every parameter
 except the embedding table, of which one row per sequence; expert tensors weighted by the expected fraction of experts
 the batch hits under uniform routing, 1 - (1 - k/E)^batch; FP8 tensors at one byte per element plus a float32 scale
@@ -114,12 +117,14 @@ MODES = ("hf-eager", "hf-experts-mc", "hf-inductor", "hf-moecompile", "moecompil
 OTHER_MODES = ("hf-custom-generate",)
 FP8_MODE = "moecompile-fp8"
 FP8_HEAD_MODE = "moecompile-fp8-head"
-FP8_MODES = (FP8_MODE, FP8_HEAD_MODE)  # on the FP8 model: after the bf16 modes, FP8_MODE first
+FP8_PDL_MODE = "moecompile-fp8-pdl"
+FP8_MODES = (FP8_MODE, FP8_HEAD_MODE, FP8_PDL_MODE)  # on the FP8 model: after the bf16 modes, FP8_MODE first
+PDL = {"inductor_config": {"triton.enable_pdl": True}}  # inductor's kernels launched as programmatic dependents
 GENERATOR_OPTIONS = {"moecompile": {}, FP8_MODE: {}, FP8_HEAD_MODE: {"fp8_linears": True},
                      "moecompile-unfused": {"fuse_projections": False},
                      "moecompile-sorted": {"direct_experts": False}, "moecompile-repeat-kv": {"gqa_attention": False},
                      "moecompile-gemm": {"decode_matvec": False}, "moecompile-split-kv": {"decode_attention": True},
-                     "moecompile-direct": {}}
+                     "moecompile-direct": {}, "moecompile-pdl": PDL, FP8_PDL_MODE: PDL}
 DIRECT_MODE_ASSIGNMENTS_PER_EXPERT = 1.0  # moecompile-direct's direct_experts.MAX_ASSIGNMENTS_PER_EXPERT
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 ROUTER_SUFFIXES = (".gate.weight", ".router.weight")  # routers: not linears in transformers' FP8 layout
@@ -667,7 +672,7 @@ def main(argv=None) -> int:
             continue
         shapes = parameter_shapes(name, config)
         fp8 = fp8_parameters(shapes, config)
-        read_in_fp8 = {FP8_MODE: fp8, FP8_HEAD_MODE: fp8_parameters(shapes, config, head=True)}
+        read_in_fp8 = {FP8_MODE: fp8, FP8_PDL_MODE: fp8, FP8_HEAD_MODE: fp8_parameters(shapes, config, head=True)}
         needed = {(mode, batch): resident_bytes(shapes, itemsize, fp8 if mode in FP8_MODES else frozenset())
                   + cache_bytes(config, batch, args.context + args.new, itemsize, windows=False) + HEADROOM
                   for mode in modes for batch in batches}
