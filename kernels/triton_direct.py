@@ -17,7 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from moecompile.kernels.triton_moe import ACTIVATION_IDS, _bias_activation, _expert_columns
+from moecompile.kernels.triton_moe import (
+    ACTIVATION_IDS,
+    HAS_GRID_DEPENDENCY,
+    _bias_activation,
+    _expert_columns,
+    dependent_launch,
+)
 
 
 def _configs():
@@ -58,10 +64,12 @@ def weight_tile(w, s_ptr, rows, rmask, k_blocks: tl.constexpr, k0, SCALED: tl.co
 @triton.jit
 def _direct_ffn_in_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, assignments, top_k, num_experts,
                           hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                          ACT: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          ACT: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr):
     """out[a, cols] = act(x[a // top_k] W_in[ids[a]][cols]^T + b) (gated: act(gate) * up), one program per
     (assignment a, column tile); SCALED: W_in is FP8 with scale_inv [E, ceil(rows/128), ceil(hidden/128)] at s_ptr.
-    `assignments` only keys the autotuning."""
+    `assignments` only keys the autotuning. PDL: launched as a programmatic dependent (dependent_launch)."""
+    dependent_launch(PDL)
     tiles_n: tl.constexpr = (width + BLOCK_N - 1) // BLOCK_N
     k_blocks: tl.constexpr = (hidden + 127) // 128
     in_width: tl.constexpr = 2 * width if GATED else width
@@ -93,10 +101,11 @@ def _direct_ffn_in_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, assig
 @triton.jit
 def _direct_ffn_out_kernel(a_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, assignments, num_experts,
                            hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[a, cols] = weights[a] * (act[a] W_out[ids[a]][cols]^T + b_out[ids[a]][cols]) in float32, one program per
     (assignment a, column tile); 0 for a dropped assignment. SCALED: W_out is FP8 with scale_inv
-    [E, ceil(hidden/128), ceil(width/128)] at s_ptr. `assignments` only keys the autotuning."""
+    [E, ceil(hidden/128), ceil(width/128)] at s_ptr. `assignments` only keys the autotuning. PDL: as the first's."""
+    dependent_launch(PDL)
     tiles_n: tl.constexpr = (hidden + BLOCK_N - 1) // BLOCK_N
     k_blocks: tl.constexpr = (width + 127) // 128
     a = tl.program_id(0) // tiles_n
@@ -132,9 +141,10 @@ KERNELS = (_direct_ffn_in_tuned, _direct_ffn_out_tuned)  # autotuned: first proj
 
 def launch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_in: torch.Tensor, b_in, w_out: torch.Tensor,
            b_out, activation: str, gated: bool, config: dict | None, scales: tuple | None = None,
-           tuned: tuple = KERNELS) -> torch.Tensor:
+           tuned: tuple = KERNELS, pdl: bool = False) -> torch.Tensor:
     """Both projections' launches; the [tokens, k, hidden] float32 terms. scales: (w_in's, w_out's) scale_inv of
-    FP8 weights, None for weights in x's dtype; tuned: the autotuned kernels (their configs) used without config."""
+    FP8 weights, None for weights in x's dtype; tuned: the autotuned kernels (their configs) used without config;
+    pdl: both launched as programmatic dependents (sm_90+, Triton with HAS_GRID_DEPENDENCY)."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     num_experts, in_width, _ = w_in.shape
@@ -147,9 +157,11 @@ def launch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_in: torc
     w_in, w_out = w_in.contiguous(), w_out.contiguous()
     s_in, s_out = (x, x) if scales is None else (s.float().contiguous() for s in scales)
     act = x.new_empty(assignments, width)
+    pdl = pdl and x.is_cuda and HAS_GRID_DEPENDENCY  # a Triton without it launches them in stream order
     first = dict(hidden=hidden, width=width, HAS_BIAS=b_in is not None, GATED=gated, SCALED=scales is not None,
-                 ACT=ACTIVATION_IDS[activation] if activation else -1)
-    second = dict(hidden=hidden, width=width, HAS_BIAS=b_out is not None, SCALED=scales is not None)
+                 ACT=ACTIVATION_IDS[activation] if activation else -1, PDL=pdl, launch_pdl=pdl)
+    second = dict(hidden=hidden, width=width, HAS_BIAS=b_out is not None, SCALED=scales is not None, PDL=pdl,
+                  launch_pdl=pdl)
     in_args = (x, ids, w_in, s_in, b_in if b_in is not None else x, act, assignments, top_k, num_experts)
     out_args = (act, ids, weights, w_out, s_out, b_out if b_out is not None else x, terms, assignments, num_experts)
     if config is None:
@@ -164,8 +176,8 @@ def launch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_in: torc
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_in: torch.Tensor, b_in, w_out, b_out,
-                   activation: str, gated: bool, config: dict | None = None) -> torch.Tensor:
+                   activation: str, gated: bool, config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     """[tokens, k, hidden] float32: each assignment's expert FFN output times its routing weight. x [T, H],
     weights / ids [T, k], w_in [E, (2)F, H], w_out [E, H, F]. `config` fixes both kernels' tiles (tests, the
-    interpreter: {"in": {BLOCK_N, BLOCK_K}, "out": {...}}); otherwise each is autotuned per shape."""
-    return launch(x, weights, ids, w_in, b_in, w_out, b_out, activation, gated, config)
+    interpreter: {"in": {BLOCK_N, BLOCK_K}, "out": {...}}); otherwise each is autotuned per shape. pdl: as launch's."""
+    return launch(x, weights, ids, w_in, b_in, w_out, b_out, activation, gated, config, pdl=pdl)

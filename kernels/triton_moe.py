@@ -10,6 +10,17 @@ ACTIVATION_IDS = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
 # Up to this many assignments (decode) combine finds each one's sorted row by a search of `order` in its own
 # kernel instead of building the inverse permutation first (an arange and a scatter launch).
 SEARCH_ROWS = 64
+# Whether this Triton has the grid dependency controls of programmatic dependent launch (PDL, sm_90+).
+HAS_GRID_DEPENDENCY = hasattr(tl.extra.cuda, "gdc_wait")
+
+
+@triton.jit
+def dependent_launch(PDL: tl.constexpr):
+    """As a programmatic dependent (PDL, launched with launch_pdl): wait until the kernel before has finished and its
+    writes are visible, then let the next kernel start launching; nothing in plain stream order. Before any load."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

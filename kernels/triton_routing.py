@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moecompile.kernels.triton_moe import HAS_GRID_DEPENDENCY, dependent_launch
+
 SCORING_IDS = {"softmax": 0, "sigmoid": 1}
 MAX_EXPERTS = 1024  # one token's scores live in registers
 _RANK_TILE = 16384  # assignments x bins per program of the rank kernel (one-hot cumsum in registers)
@@ -86,8 +88,9 @@ def _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K: tl.con
 def _topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, tokens, num_experts, scaling,
                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, N_GROUP: tl.constexpr,
-                 TOPK_GROUP: tl.constexpr):
-    """_top_k of a block of tokens, stored."""
+                 TOPK_GROUP: tl.constexpr, PDL: tl.constexpr):
+    """_top_k of a block of tokens, stored. PDL: launched as a programmatic dependent (dependent_launch)."""
+    dependent_launch(PDL)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tok < tokens
     top_w, top_id = _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K, K_PAD, E_PAD, BLOCK_T,
@@ -107,8 +110,9 @@ def groups_supported(num_experts: int, n_group: int, topk_group: int) -> bool:
 
 def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
          correction_bias: torch.Tensor | None = None, scaling_factor: float = 1.0, n_group: int = 1,
-         topk_group: int = 1):
-    """(weights [T, k] float32, ids [T, k] int64) as kernels/reference.py's route_grouped (groups_supported)."""
+         topk_group: int = 1, pdl: bool = False):
+    """(weights [T, k] float32, ids [T, k] int64) as kernels/reference.py's route_grouped (groups_supported); pdl:
+    launched as a programmatic dependent (sm_90+, Triton with triton_moe.HAS_GRID_DEPENDENCY)."""
     tokens, num_experts = router_logits.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
@@ -117,11 +121,12 @@ def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: st
     e_pad = triton.next_power_of_2(num_experts)
     block_t = max(1, min(64, 4096 // e_pad, triton.next_power_of_2(tokens)))
     logits = router_logits.contiguous()
+    pdl = pdl and logits.is_cuda and HAS_GRID_DEPENDENCY  # a Triton without it launches it in stream order
     _topk_kernel[(triton.cdiv(tokens, block_t),)](
         logits, correction_bias if correction_bias is not None else logits, weights, ids, tokens, num_experts,
         float(scaling_factor), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
         SCORING=SCORING_IDS[scoring], HAS_BIAS=correction_bias is not None, RENORM=renormalize, N_GROUP=n_group,
-        TOPK_GROUP=topk_group,
+        TOPK_GROUP=topk_group, PDL=pdl, launch_pdl=pdl,
         num_warps=max(1, min(4, block_t * e_pad // 256)))  # decode: one warp's shuffles for its k reductions
     return weights, ids
 

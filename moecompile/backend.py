@@ -135,9 +135,13 @@ def _inductor(gm: fx.GraphModule, example_inputs, opts: dict, matvec: bool):
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
+    from moecompile.runtime import choices
+
     # with coordinate-descent tuning inductor decomposes a one-row matmul into a reduction it tunes to the memory
     # bandwidth and fuses with the norm before it or the add after it
     patches = {"coordinate_descent_tuning": True} if matvec else {}
+    if choices.PROGRAMMATIC_LAUNCH and hasattr(torch._inductor.config.triton, "enable_pdl"):
+        patches["triton.enable_pdl"] = True  # MOECOMPILE_PDL=on: inductor's kernels as programmatic dependents too
     patches.update(list_mode_options(opts["mode"]) if opts["mode"] else {})
     patches.update(opts["inductor_config"] or {})
     return compile_fx(gm, example_inputs, config_patches=patches or None)

@@ -33,6 +33,7 @@ FFN_OUT = settings.ffn_out()
 FOLD_COMBINE = settings.fold_combine()
 FP8_GEMM = settings.fp8_gemm()
 FP8_BLOCK_KERNEL = settings.fp8_block_kernel()
+PROGRAMMATIC_LAUNCH = settings.programmatic_launch() == "on"
 # Below this many rows per expert a batch is "decode": tiles are mostly empty and other kernels win.
 DECODE_ROWS_PER_EXPERT = 64
 # Below this many rows per expert an eager (uncompiled) call of the HF experts integration on CUDA runs HF's own
@@ -59,6 +60,15 @@ CONVERTED_WEIGHTS_MIN_FREE_SHARE = 0.25
 # FP8 linears (option fp8_linears): up to this many rows (decode) the weight-only Triton kernel reads the FP8 weights
 # once; more rows (a prefill) dequantise the weights and run the GEMM library in the activations' dtype.
 FP8_LINEAR_MAX_ROWS = 64
+
+
+def programmatic_launch(x) -> bool:
+    """Whether the decode kernels reading the CUDA tensor x launch as programmatic dependents (PDL: Hopper on)."""
+    if not (PROGRAMMATIC_LAUNCH and x.is_cuda):
+        return False
+    import torch  # (only where it is on: this module answers without torch)
+
+    return torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 def fp8_linear_in_registers(rows: int) -> bool:

@@ -32,7 +32,8 @@ def _routable(router_logits: torch.Tensor, n_group: int = 1, topk_group: int = 1
 def route(router_logits, top_k: int, capacity_factor: float, renormalize: bool):
     if not _routable(router_logits):
         return reference.route(router_logits, top_k, capacity_factor, renormalize)
-    weights, ids = triton_routing.topk(router_logits, top_k, renormalize)
+    weights, ids = triton_routing.topk(router_logits, top_k, renormalize,
+                                       pdl=choices.programmatic_launch(router_logits))
     return reference.drop_over_capacity(weights, ids, capacity_factor, router_logits.shape[-1])
 
 
@@ -42,7 +43,7 @@ def route_grouped(router_logits, top_k: int, capacity_factor: float, renormalize
         return reference.route_grouped(router_logits, top_k, capacity_factor, renormalize, scoring, correction_bias,
                                        n_group, topk_group, scaling_factor)
     weights, ids = triton_routing.topk(router_logits, top_k, renormalize, scoring, correction_bias, scaling_factor,
-                                       n_group, topk_group)
+                                       n_group, topk_group, pdl=choices.programmatic_launch(router_logits))
     return reference.drop_over_capacity(weights, ids, capacity_factor, router_logits.shape[-1])
 
 
@@ -242,7 +243,8 @@ def experts_combine_backward(grad_out, x, offsets, order, weights, w_in, b_in, w
 
 def routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     if x.dtype in triton_direct.DTYPES:  # the graph asked for it (direct_experts): the batch is decode-sized
-        return triton_direct.routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation, gated)
+        return triton_direct.routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation, gated,
+                                            pdl=choices.programmatic_launch(x))
     rows, order, offsets = dispatch(x, expert_ids, w_in.shape[0])
     return reference.weighted_terms(experts(rows, offsets, w_in, b_in, w_out, b_out, activation, gated), order,
                                     weights)

@@ -85,12 +85,12 @@ def cases():
         yield (triton_fp8._grouped_fp8_rowwise_kernel, f"second projection, {warps} warps", {**fp8, "out_ptr": BF16},
                dict(rowwise, K=14336, width=4096, HAS_BIAS=False, GATED=False, ACT=-1, QUANT_OUT=False),
                dict(num_warps=warps, num_stages=4))
-    for scoring, bias, groups in ((0, False, (1, 1)), (1, True, (8, 4))):
-        yield (triton_routing._topk_kernel, f"scoring {scoring}, groups {groups}",
+    for scoring, bias, groups, pdl in ((0, False, (1, 1), False), (1, True, (8, 4), False), (0, False, (1, 1), True)):
+        yield (triton_routing._topk_kernel, f"scoring {scoring}, groups {groups}" + (", PDL" if pdl else ""),
                {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                 "scaling": "fp32"},
                dict(TOP_K=8, K_PAD=8, E_PAD=256, BLOCK_T=16, SCORING=scoring, HAS_BIAS=bias, RENORM=True,
-                    N_GROUP=groups[0], TOPK_GROUP=groups[1]), {})
+                    N_GROUP=groups[0], TOPK_GROUP=groups[1], PDL=pdl), dict(launch_pdl=pdl))
     yield (triton_routing._small_route_dispatch_kernel, "E=128, k=8, 16 tokens",
            {"logits_ptr": BF16, "bias_ptr": BF16, "x_ptr": BF16, "weights_ptr": "*fp32", "ids_ptr": "*i64",
             "order_ptr": "*i64", "rows_ptr": BF16, "offsets_ptr": "*i32", "scaling": "fp32"},
@@ -112,18 +112,21 @@ def cases():
     for gated, act, bias, label in ((True, 3, False, "swiglu"), (False, 0, True, "gelu+bias")):
         yield (triton_direct._direct_ffn_in_kernel, label, direct,
                dict(hidden=2048, width=768, HAS_BIAS=bias, GATED=gated, ACT=act, SCALED=False, BLOCK_N=16,
-                    BLOCK_K=256), dict(num_warps=4, num_stages=4))
-    for block_k in (128, 256):  # FP8 K steps within a scale block, and over two blocks
-        yield (triton_direct._direct_ffn_in_kernel, f"swiglu, FP8 weights, K step {block_k}", fp8_direct,
+                    BLOCK_K=256, PDL=False), dict(num_warps=4, num_stages=4))
+    for block_k, pdl in ((128, False), (256, False), (256, True)):  # FP8 K steps in a scale block, over two blocks
+        yield (triton_direct._direct_ffn_in_kernel,
+               f"swiglu, FP8 weights, K step {block_k}" + (", PDL" if pdl else ""), fp8_direct,
                dict(hidden=2048, width=768, HAS_BIAS=False, GATED=True, ACT=3, SCALED=True, BLOCK_N=16,
-                    BLOCK_K=block_k), dict(num_warps=4, num_stages=4))
-    for bias, scaled, block_k, types in ((False, False, 256, direct), (True, False, 256, direct),
-                                         (False, True, 128, fp8_direct), (False, True, 512, fp8_direct)):
+                    BLOCK_K=block_k, PDL=pdl), dict(num_warps=4, num_stages=4, launch_pdl=pdl))
+    for bias, scaled, block_k, types, pdl in ((False, False, 256, direct, False), (True, False, 256, direct, False),
+                                              (False, True, 128, fp8_direct, False),
+                                              (False, True, 512, fp8_direct, False), (False, False, 256, direct, True)):
         yield (triton_direct._direct_ffn_out_kernel,
-               ("bias" if bias else "no bias") + (f", FP8, K step {block_k}" if scaled else ""),
+               ("bias" if bias else "no bias") + (f", FP8, K step {block_k}" if scaled else "") +
+               (", PDL" if pdl else ""),
                {**types, "a_ptr": BF16, "weights_ptr": "*fp32", "out_ptr": "*fp32"},  # float32 terms
-               dict(hidden=2048, width=768, HAS_BIAS=bias, SCALED=scaled, BLOCK_N=8, BLOCK_K=block_k),
-               dict(num_warps=2, num_stages=4))
+               dict(hidden=2048, width=768, HAS_BIAS=bias, SCALED=scaled, BLOCK_N=8, BLOCK_K=block_k, PDL=pdl),
+               dict(num_warps=2, num_stages=4, launch_pdl=pdl))
     linear = {"x_ptr": BF16, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": BF16, "out_ptr": BF16}
     for block_m, block_k, k_split, label in ((1, 128, 2048, "one row (matrix-vector)"),
                                              (1, 128, 256, "one row, K split in 8"),

@@ -600,6 +600,37 @@ def test_cuda_direct_experts_match_reference_kernels(tokens, experts, top_k, hid
     assert _rel(got, want) <= 2e-2
 
 
+@pytest.mark.skipif(not _hopper(), reason="programmatic dependent launch: Hopper")
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,width", [(1, 128, 8, 2048, 768), (4, 8, 2, 512, 256)])
+def test_programmatic_launches_match_stream_order_in_a_cuda_graph(tokens, experts, top_k, hidden, width,
+                                                                   monkeypatch):
+    """MOECOMPILE_PDL=on: the top-k and direct-expert kernels of two decode layers, each launched as a programmatic
+    dependent of the one before, captured in a CUDA graph and replayed on new inputs, give exactly the results of the
+    same kernels in plain stream order (each waits for its predecessor's writes before reading anything)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    w_router = torch.randn(experts, hidden, device=DEVICE, generator=gen).bfloat16()
+    w_in, b_in, w_out, b_out = _bf16(*_weights(experts, hidden, width, True, False, gen))
+    x = torch.randn(tokens, hidden, device=DEVICE, generator=gen).bfloat16()
+
+    def two_layers():
+        h = x
+        for _ in range(2):
+            weights, ids = C.route((h @ w_router.T).float(), top_k, 0.0, True)
+            h = h + C.routed_experts(h, weights, ids, w_in, b_in, w_out, b_out, "silu", True).sum(1).to(h.dtype)
+        return h
+
+    with torch.no_grad():
+        monkeypatch.setattr(choices, "PROGRAMMATIC_LAUNCH", True)
+        assert choices.programmatic_launch(x)
+        graph, out = graphs.capture(two_layers)
+        for seed in range(2):
+            x.copy_(torch.randn(tokens, hidden, device=DEVICE, generator=gen))
+            graph.replay()
+            monkeypatch.setattr(choices, "PROGRAMMATIC_LAUNCH", False)
+            assert torch.equal(out, two_layers()), seed
+            monkeypatch.setattr(choices, "PROGRAMMATIC_LAUNCH", True)
+
+
 def test_compiled_hf_moe_runs_its_moe_ops_inside_cuda_graphs():
     """moecompile.compile(model, mode="reduce-overhead") (bench/results/compile-h200-*-cudagraphs.md): inductor
     records the graph with the moecompile ops in it (no cudagraph skip) and its replays give eager's output on
@@ -621,6 +652,26 @@ def test_compiled_hf_moe_runs_its_moe_ops_inside_cuda_graphs():
     inductor = torch._dynamo.utils.counters["inductor"]
     assert inductor["cudagraph_skips"] == 0 and inductor["cudagraph_recorded_non_static_inputs"] >= 1
     assert moecompile.backend.records()[-1].moe_blocks == 2
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not _hopper(), reason="programmatic dependent launch: Hopper")
+def test_generate_with_programmatic_launches_gives_the_same_tokens(monkeypatch):
+    """moecompile.generate on a tiny Qwen3-MoE with MOECOMPILE_PDL=on (inductor's kernels and ours launched as
+    programmatic dependents inside the captured decode step) gives the tokens and first logits of plain launches."""
+    from hf_moe import tiny_moe, token_ids
+
+    import moecompile
+
+    ids = token_ids(batch=2).to(DEVICE)
+    results = {}
+    for on in (False, True):  # a model each: generate keeps its compiled step per model
+        model = tiny_moe("tiny-qwen3-moe").to(DEVICE, torch.bfloat16)
+        monkeypatch.setattr(choices, "PROGRAMMATIC_LAUNCH", on)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            results[on] = moecompile.generate(model, ids, max_new_tokens=8)
+    assert torch.equal(results[True], results[False])
     torch._dynamo.reset()
 
 

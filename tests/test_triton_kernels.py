@@ -275,6 +275,25 @@ def test_fold_combine_setting(monkeypatch, setting, tuned, folds):
     assert C.folds_combine(8, 4, 16) is folds
 
 
+def test_programmatic_launch_setting(monkeypatch):
+    """MOECOMPILE_PDL: off by default, else on; anything else is a one-line error. Tensors off the GPU never launch
+    as programmatic dependents, whatever the setting."""
+    from moecompile.core import settings
+    from moecompile.core.errors import MoECompileError
+    from moecompile.runtime import choices as C
+
+    monkeypatch.delenv("MOECOMPILE_PDL", raising=False)
+    assert settings.programmatic_launch() == "off"
+    monkeypatch.setenv("MOECOMPILE_PDL", "on")
+    assert settings.programmatic_launch() == "on"
+    monkeypatch.setenv("MOECOMPILE_PDL", "1")
+    with pytest.raises(MoECompileError, match="^MOECOMPILE_PDL='1': expected one of off, on$"):
+        settings.programmatic_launch()
+    for on in (False, True):
+        monkeypatch.setattr(C, "PROGRAMMATIC_LAUNCH", on)
+        assert C.programmatic_launch(torch.zeros(1)) is False
+
+
 def _alternating(t):
     """[gate | up] columns -> gate / up pairs (QuACK's gated layout)."""
     return torch.stack(t.chunk(2, dim=-1), dim=-1).flatten(-2)

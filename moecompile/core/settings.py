@@ -50,6 +50,13 @@ def fold_combine() -> str:
     return _one_of("MOECOMPILE_FOLD_COMBINE", "auto", ("auto", "on", "off"))
 
 
+def programmatic_launch() -> str:
+    """MOECOMPILE_PDL: on launches the decode step's kernels (inductor's and moecompile's routing and direct experts)
+    as programmatic dependents on Hopper and later, each starting while the one before it finishes; off (default)
+    launches them in plain stream order."""
+    return _one_of("MOECOMPILE_PDL", "off", ("off", "on"))
+
+
 def fp8_gemm() -> str:
     """MOECOMPILE_FP8_GEMM: the FP8 expert GEMMs' scaling on CUDA: auto, rowwise or block."""
     return _one_of("MOECOMPILE_FP8_GEMM", "auto", ("auto", "rowwise", "block"))
