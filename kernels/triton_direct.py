@@ -178,6 +178,7 @@ def launch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_in: torc
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_in: torch.Tensor, b_in, w_out, b_out,
                    activation: str, gated: bool, config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     """[tokens, k, hidden] float32: each assignment's expert FFN output times its routing weight. x [T, H],
-    weights / ids [T, k], w_in [E, (2)F, H], w_out [E, H, F]. `config` fixes both kernels' tiles (tests, the
-    interpreter: {"in": {BLOCK_N, BLOCK_K}, "out": {...}}); otherwise each is autotuned per shape. pdl: as launch's."""
+    weights / ids [T, k], w_in [E, (2)F, H], w_out [E, H, F]. `config` fixes both kernels' tiles ({"in":
+    {BLOCK_N, BLOCK_K[, num_warps, num_stages]}, "out": {...}}: the runtime's table, tests); otherwise each is
+    autotuned per shape. pdl: as launch's."""
     return launch(x, weights, ids, w_in, b_in, w_out, b_out, activation, gated, config, pdl=pdl)

@@ -59,7 +59,7 @@ def routed_experts_fp8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                        activation: str, gated: bool, config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     """[tokens, k, hidden] float32: each assignment's expert FFN output times its routing weight, the expert
     weights float8_e4m3fn w_in [E, (2)F, H], w_out [E, H, F] with scale_inv [E, ceil(rows/128), ceil(cols/128)].
-    x [T, H] in DTYPES, weights / ids [T, k]. `config` fixes both kernels' tiles ({"in": {BLOCK_N, BLOCK_K},
+    x [T, H] in DTYPES, weights / ids [T, k]. `config` fixes both kernels' tiles ({"in": {BLOCK_N, BLOCK_K, ...},
     "out": {...}}, BLOCK_K dividing 128 or a multiple of it); otherwise each is autotuned per shape. pdl: as
     triton_direct.launch's."""
     _check_config(config)

@@ -42,6 +42,7 @@ EAGER_HF_ROWS_PER_EXPERT = 2
 EXPERT_GEMM_CONFIG = "expert_gemm.json"  # in moecompile.kernels' configs/
 QUACK_GEMM_CONFIG = "quack_gemm.json"
 FP8_LINEAR_CONFIG = "fp8_linear.json"
+DIRECT_EXPERTS_CONFIG = "direct_experts.json"
 QUACK_FALLBACK = "triton_persistent"  # where "quack" is chosen but not installed, not Hopper, or the shape unsupported
 QUACK_KERNELS = ("quack", "quack_gathered")
 
@@ -117,6 +118,23 @@ def _config_file(name: str) -> dict:
 @functools.cache
 def fp8_linear_table() -> dict:
     return _config_file(FP8_LINEAR_CONFIG)
+
+
+@functools.cache
+def direct_experts_table() -> dict:
+    return _config_file(DIRECT_EXPERTS_CONFIG)
+
+
+def direct_expert_tiles(hidden: int, width: int) -> dict:
+    """{"in": ..., "out": ...}: the direct experts' tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) of the first
+    projection (K = hidden) and the second (K = width), from kernels/configs/direct_experts.json."""
+    data = direct_experts_table()
+
+    def tiles(entries: list, k: int) -> dict:
+        entry = next(e for e in entries if e["max_k"] is None or k <= e["max_k"])
+        return {key: value for key, value in entry.items() if key != "max_k"}
+
+    return {"in": tiles(data["first"], hidden), "out": tiles(data["second"], width)}
 
 
 @functools.cache

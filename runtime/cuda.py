@@ -244,6 +244,7 @@ def experts_combine_backward(grad_out, x, offsets, order, weights, w_in, b_in, w
 def routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     if x.dtype in triton_direct.DTYPES:  # the graph asked for it (direct_experts): the batch is decode-sized
         return triton_direct.routed_experts(x, weights, expert_ids, w_in, b_in, w_out, b_out, activation, gated,
+                                            choices.direct_expert_tiles(x.shape[1], w_out.shape[2]),
                                             pdl=choices.programmatic_launch(x))
     rows, order, offsets = dispatch(x, expert_ids, w_in.shape[0])
     return reference.weighted_terms(experts(rows, offsets, w_in, b_in, w_out, b_out, activation, gated), order,

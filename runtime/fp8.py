@@ -173,7 +173,8 @@ def routed_experts_fp8(x, weights, expert_ids, w_in, w_in_scale_inv, b_in, w_out
     args = (x, weights, expert_ids, w_in, w_in_scale_inv, b_in, w_out, w_out_scale_inv, b_out, activation, gated)
     if not (_weight_only(x) and (activation in triton_moe.ACTIVATION_IDS or not activation)):
         return reference.routed_experts_fp8(*args)
-    return triton_fp8_decode.routed_experts_fp8(*args, pdl=choices.programmatic_launch(x))
+    return triton_fp8_decode.routed_experts_fp8(*args, choices.direct_expert_tiles(x.shape[1], w_out.shape[2]),
+                                                pdl=choices.programmatic_launch(x))
 
 
 def linear_fp8(x, weight, weight_scale_inv, bias):

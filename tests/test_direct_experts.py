@@ -70,6 +70,27 @@ def test_triton_routed_experts_match_dispatch_experts_combine(case, gated, activ
     torch.testing.assert_close(got.sum(1), R.combine(y, order, weights), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("hidden, width, second_k_step", [(2048, 768, 256), (4096, 14336, 512), (17, 13, 256)])
+def test_runtime_tiles_come_from_the_table_and_match_the_reference(hidden, width, second_k_step):
+    """runtime/choices' direct_expert_tiles: the first entry of kernels/configs/direct_experts.json that takes each
+    projection's K (the second projection's tiles widen past the table's boundary); every entry is a valid FP8 K step
+    (dividing 128 or whole scale blocks); the kernels at those tiles match the sorted reference at odd sizes."""
+    from moecompile.runtime import choices
+
+    tiles = choices.direct_expert_tiles(hidden, width)
+    assert tiles["out"]["BLOCK_K"] == second_k_step and set(tiles["in"]) == {"BLOCK_N", "BLOCK_K", "num_warps",
+                                                                              "num_stages"}
+    table = choices.direct_experts_table()
+    for entry in table["first"] + table["second"]:
+        assert 128 % entry["BLOCK_K"] == 0 or entry["BLOCK_K"] % 128 == 0
+    assert table["first"][-1]["max_k"] is None and table["second"][-1]["max_k"] is None  # every K has tiles
+    if hidden < 64:
+        x, weights, ids = case_inputs("odd sizes, k = E")
+        params = _experts(5, hidden, width, True, False, seed=6)
+        got = triton_direct.routed_experts(x, weights, ids, *params, "silu", True, config=tiles)
+        torch.testing.assert_close(got, _sorted(x, weights, ids, *params, "silu", True), rtol=1e-5, atol=1e-5)
+
+
 def test_triton_routed_experts_read_nothing_for_dropped_assignments():
     """An assignment of weight 0 reads no weights: NaN weights of an expert only such assignments name change
     nothing, as in the reference, where combine skips them."""

@@ -587,7 +587,8 @@ def test_cuda_decode_layer_matches_reference_kernels(tokens, experts, top_k, mon
                                                                 (1, 8, 2, 4096, 1024), (1, 64, 6, 200, 72)])
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
 def test_cuda_direct_experts_match_reference_kernels(tokens, experts, top_k, hidden, width, gated, bias):
-    """The direct kernels (autotuned, bf16) against routed_experts' reference (dispatch + experts + combine)."""
+    """The direct kernels (autotuned, and at the runtime's table tiles, bf16) against routed_experts' reference
+    (dispatch + experts + combine)."""
     from moecompile.kernels import triton_direct
 
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
@@ -598,6 +599,7 @@ def test_cuda_direct_experts_match_reference_kernels(tokens, experts, top_k, hid
     got = triton_direct.routed_experts(x, weights, ids, w_in, b_in, w_out, b_out, "silu", gated)
     want = R.routed_experts(x, weights, ids, w_in, b_in, w_out, b_out, "silu", gated)
     assert _rel(got, want) <= 2e-2
+    assert _rel(C.routed_experts(x, weights, ids, w_in, b_in, w_out, b_out, "silu", gated), want) <= 2e-2
 
 
 @pytest.mark.skipif(not _hopper(), reason="programmatic dependent launch: Hopper")

@@ -14,6 +14,7 @@ from moecompile.generation import Generator
 from moecompile.kernels import reference as R
 from moecompile.kernels import triton_fp8_decode
 from moecompile.runtime import choices
+from moecompile.runtime import fp8 as RF
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -36,7 +37,8 @@ def _fp8_sm89():
                                                                 (2, 64, 6, 200, 136)])
 @pytest.mark.parametrize("gated,bias", [(True, False), (False, True)])
 def test_cuda_fp8_direct_experts_match_reference(tokens, experts, top_k, hidden, width, gated, bias):
-    """Autotuned kernels, bf16 activations, against the reference's dequantise-then-float32."""
+    """Autotuned kernels and the runtime's (table tiles), bf16 activations, against the reference's
+    dequantise-then-float32."""
     if not _fp8_sm89():
         pytest.skip("float8_e4m3fn in registers needs sm_89+")
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
@@ -55,6 +57,7 @@ def test_cuda_fp8_direct_experts_match_reference(tokens, experts, top_k, hidden,
     want = R.routed_experts_fp8(*args)
     assert got.shape == want.shape and got.dtype == torch.float32
     assert _rel(got, want) <= 2e-2  # the activation is stored in bf16 between the projections
+    assert _rel(RF.routed_experts_fp8(*args), want) <= 2e-2
 
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 64])
