@@ -29,9 +29,11 @@ Modes, all in one run:
   moecompile-gemm    the same without decode_matvec: cuBLAS GEMMs for the one-token linears (not in the default list)
   moecompile-split-kv the same with option decode_attention: the step's attention on moecompile's split-KV kernel
                      instead of SDPA (not in the default list)
-  moecompile-pdl     the same with MOECOMPILE_PDL=on: the step's kernels (inductor's, the routing and direct experts)
+  moecompile-pdl     the same with MOECOMPILE_PDL=on: every graph's kernels (inductor's, the routing and direct experts)
                      launched as programmatic dependents (Hopper's PDL: a kernel starts launching while the one
-                     before it finishes); moecompile-fp8-pdl the same on the FP8 model (neither in the default list)
+                     before it finishes; the default, auto, does so in batch-1 steps); moecompile-no-pdl with off:
+                     plain launches; moecompile-fp8-pdl / -fp8-no-pdl the same on the FP8 model (none in the
+                     default list)
 Floor: the bytes one decode step must read, at the copy bandwidth measured in the same run. Weights: every parameter
 except the embedding table, of which one row per sequence; expert tensors weighted by the expected fraction of experts
 the batch hits under uniform routing, 1 - (1 - k/E)^batch; FP8 tensors at one byte per element plus a float32 scale
@@ -117,14 +119,15 @@ MODES = ("hf-eager", "hf-experts-mc", "hf-inductor", "hf-moecompile", "moecompil
 OTHER_MODES = ("hf-custom-generate",)
 FP8_MODE = "moecompile-fp8"
 FP8_HEAD_MODE = "moecompile-fp8-head"
-FP8_PDL_MODE = "moecompile-fp8-pdl"
-FP8_MODES = (FP8_MODE, FP8_HEAD_MODE, FP8_PDL_MODE)  # on the FP8 model: after the bf16 modes, FP8_MODE first
-PDL_MODES = ("moecompile-pdl", FP8_PDL_MODE)  # MOECOMPILE_PDL=on while they compile and run
+FP8_PDL_MODES = ("moecompile-fp8-pdl", "moecompile-fp8-no-pdl")
+FP8_MODES = (FP8_MODE, FP8_HEAD_MODE, *FP8_PDL_MODES)  # on the FP8 model: after the bf16 modes, FP8_MODE first
+PDL_SETTINGS = {"moecompile-pdl": "on", "moecompile-no-pdl": "off",  # MOECOMPILE_PDL while they compile and run
+                FP8_PDL_MODES[0]: "on", FP8_PDL_MODES[1]: "off"}
 GENERATOR_OPTIONS = {"moecompile": {}, FP8_MODE: {}, FP8_HEAD_MODE: {"fp8_linears": True},
                      "moecompile-unfused": {"fuse_projections": False},
                      "moecompile-sorted": {"direct_experts": False}, "moecompile-repeat-kv": {"gqa_attention": False},
                      "moecompile-gemm": {"decode_matvec": False}, "moecompile-split-kv": {"decode_attention": True},
-                     "moecompile-direct": {}, "moecompile-pdl": {}, FP8_PDL_MODE: {}}
+                     "moecompile-direct": {}, **{mode: {} for mode in PDL_SETTINGS}}
 DIRECT_MODE_ASSIGNMENTS_PER_EXPERT = 1.0  # moecompile-direct's direct_experts.MAX_ASSIGNMENTS_PER_EXPERT
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 ROUTER_SUFFIXES = (".gate.weight", ".router.weight")  # routers: not linears in transformers' FP8 layout
@@ -421,15 +424,15 @@ def autotuned_tiles() -> list[str]:
 
 @contextlib.contextmanager
 def pass_thresholds(mode: str):
-    """moecompile-direct: direct_experts' threshold raised while the mode compiles its graphs; the PDL modes:
-    programmatic launches on while they compile and run."""
+    """moecompile-direct: direct_experts' threshold raised while the mode compiles its graphs; the PDL modes: their
+    MOECOMPILE_PDL while they compile and run."""
     from moecompile.passes import direct_experts
     from moecompile.runtime import choices
 
     kept = direct_experts.MAX_ASSIGNMENTS_PER_EXPERT, choices.PROGRAMMATIC_LAUNCH
     if mode == "moecompile-direct":
         direct_experts.MAX_ASSIGNMENTS_PER_EXPERT = DIRECT_MODE_ASSIGNMENTS_PER_EXPERT
-    choices.PROGRAMMATIC_LAUNCH = mode in PDL_MODES or kept[1]
+    choices.PROGRAMMATIC_LAUNCH = PDL_SETTINGS.get(mode, kept[1])
     try:
         yield
     finally:
@@ -675,7 +678,8 @@ def main(argv=None) -> int:
             continue
         shapes = parameter_shapes(name, config)
         fp8 = fp8_parameters(shapes, config)
-        read_in_fp8 = {FP8_MODE: fp8, FP8_PDL_MODE: fp8, FP8_HEAD_MODE: fp8_parameters(shapes, config, head=True)}
+        read_in_fp8 = {FP8_MODE: fp8, **dict.fromkeys(FP8_PDL_MODES, fp8),
+                       FP8_HEAD_MODE: fp8_parameters(shapes, config, head=True)}
         needed = {(mode, batch): resident_bytes(shapes, itemsize, fp8 if mode in FP8_MODES else frozenset())
                   + cache_bytes(config, batch, args.context + args.new, itemsize, windows=False) + HEADROOM
                   for mode in modes for batch in batches}

@@ -131,7 +131,7 @@ def _traced_options() -> dict:
     return {}
 
 
-def _inductor(gm: fx.GraphModule, example_inputs, opts: dict, matvec: bool):
+def _inductor(gm: fx.GraphModule, example_inputs, opts: dict, matvec: bool, one_token: bool):
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
@@ -140,8 +140,8 @@ def _inductor(gm: fx.GraphModule, example_inputs, opts: dict, matvec: bool):
     # with coordinate-descent tuning inductor decomposes a one-row matmul into a reduction it tunes to the memory
     # bandwidth and fuses with the norm before it or the add after it
     patches = {"coordinate_descent_tuning": True} if matvec else {}
-    if choices.PROGRAMMATIC_LAUNCH and hasattr(torch._inductor.config.triton, "enable_pdl"):
-        patches["triton.enable_pdl"] = True  # MOECOMPILE_PDL=on: inductor's kernels as programmatic dependents too
+    if choices.inductor_programmatic_launch(one_token) and hasattr(torch._inductor.config.triton, "enable_pdl"):
+        patches["triton.enable_pdl"] = True  # (inductor checks the GPU has it)
     patches.update(list_mode_options(opts["mode"]) if opts["mode"] else {})
     patches.update(opts["inductor_config"] or {})
     return compile_fx(gm, example_inputs, config_patches=patches or None)
@@ -159,7 +159,8 @@ def moecompile_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
                               "compiled model under torch.no_grad() (train expert-parallel with "
                               "moecompile.distribute(model))")
     gm, ctx = run_pipeline(gm, opts, pipeline="compile", example_inputs=list(example_inputs), training=training)
-    matvec = one_row_linears(gm) if opts["decode_matvec"] and not training else 0
+    one_row = 0 if training else one_row_linears(gm)  # > 0: a batch-1 decode step
+    matvec = one_row if opts["decode_matvec"] else 0
     _records.append(CompileRecord(gm, ctx.reports, ctx.checked, matvec))
     for name, report in ctx.reports:
         log.info("%s: %s", name, report)
@@ -172,7 +173,7 @@ def moecompile_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
 
         compiled = aot_eager(gm, inputs)
     else:
-        compiled = _inductor(gm, inputs, opts, bool(matvec))
+        compiled = _inductor(gm, inputs, opts, bool(matvec), one_row > 0)
     _keep_aliases(example_inputs, ctx.input_aliases)
     if not constants and not ctx.input_aliases:
         return compiled

@@ -33,7 +33,7 @@ FFN_OUT = settings.ffn_out()
 FOLD_COMBINE = settings.fold_combine()
 FP8_GEMM = settings.fp8_gemm()
 FP8_BLOCK_KERNEL = settings.fp8_block_kernel()
-PROGRAMMATIC_LAUNCH = settings.programmatic_launch() == "on"
+PROGRAMMATIC_LAUNCH = settings.programmatic_launch()
 # Below this many rows per expert a batch is "decode": tiles are mostly empty and other kernels win.
 DECODE_ROWS_PER_EXPERT = 64
 # Below this many rows per expert an eager (uncompiled) call of the HF experts integration on CUDA runs HF's own
@@ -64,12 +64,20 @@ FP8_LINEAR_MAX_ROWS = 64
 
 
 def programmatic_launch(x) -> bool:
-    """Whether the decode kernels reading the CUDA tensor x launch as programmatic dependents (PDL: Hopper on)."""
-    if not (PROGRAMMATIC_LAUNCH and x.is_cuda):
+    """Whether moecompile's decode kernels reading the CUDA tensor x launch as programmatic dependents (PDL:
+    Hopper on)."""
+    if PROGRAMMATIC_LAUNCH == "off" or not x.is_cuda:
         return False
     import torch  # (only where it is on: this module answers without torch)
 
     return torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def inductor_programmatic_launch(one_token: bool) -> bool:
+    """Whether inductor's kernels of a compiled graph launch as programmatic dependents (where the GPU has PDL): in
+    one-token decode steps (auto), where a step's many small kernels measured faster with them (bench/results/
+    gpu-generate.md), or in every graph (on)."""
+    return PROGRAMMATIC_LAUNCH == "on" or (PROGRAMMATIC_LAUNCH == "auto" and one_token)
 
 
 def fp8_linear_in_registers(rows: int) -> bool:

@@ -69,6 +69,34 @@ def test_matrix_vector_decode_only_at_one_token(family, cases):
         assert (step.matvec_linears > 0) == step_matvec, (batch, options)
 
 
+@pytest.mark.parametrize("setting, prefill_pdl, step_pdl", [("auto", False, True), ("on", True, True),
+                                                             ("off", False, False)])
+def test_programmatic_launch_setting_picks_the_graphs_inductor_compiles_with_it(setting, prefill_pdl, step_pdl,
+                                                                                monkeypatch):
+    """MOECOMPILE_PDL decides which graphs inductor compiles with programmatic dependent launches (inductor's
+    triton.enable_pdl, which takes effect on a GPU that has them): auto the batch-1 decode step only, on every graph,
+    off none. compile_fx is replaced by AOT autograd here, so nothing is generated for the CPU."""
+    import torch._inductor.compile_fx as inductor
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from moecompile.runtime import choices
+
+    if not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        pytest.skip("this torch's inductor has no programmatic dependent launches")
+    patches = []
+
+    def compile_fx(gm, inputs, config_patches=None):
+        patches.append(config_patches or {})
+        return aot_eager(gm, inputs)
+
+    monkeypatch.setattr(inductor, "compile_fx", compile_fx)
+    monkeypatch.setattr(choices, "PROGRAMMATIC_LAUNCH", setting)
+    model = tiny_moe("tiny-qwen3-moe", one_layer=True)
+    model.generation_config.eos_token_id = None
+    generate(model, token_ids(batch=1, length=6), 2)
+    assert [p.get("triton.enable_pdl", False) for p in patches] == [prefill_pdl, step_pdl]
+
+
 @pytest.mark.parametrize("family", ["tiny-mixtral", "tiny-gpt-oss"])
 def test_left_padded_prompts_match_hf(family):
     model = tiny_moe(family)

@@ -606,9 +606,10 @@ def test_cuda_direct_experts_match_reference_kernels(tokens, experts, top_k, hid
 @pytest.mark.parametrize("tokens,experts,top_k,hidden,width", [(1, 128, 8, 2048, 768), (4, 8, 2, 512, 256)])
 def test_programmatic_launches_match_stream_order_in_a_cuda_graph(tokens, experts, top_k, hidden, width,
                                                                    monkeypatch):
-    """MOECOMPILE_PDL=on: the top-k and direct-expert kernels of two decode layers, each launched as a programmatic
-    dependent of the one before, captured in a CUDA graph and replayed on new inputs, give exactly the results of the
-    same kernels in plain stream order (each waits for its predecessor's writes before reading anything)."""
+    """MOECOMPILE_PDL=auto (the default): the top-k and direct-expert kernels of two decode layers, each launched as
+    a programmatic dependent of the one before, captured in a CUDA graph and replayed on new inputs, give exactly the
+    results of the same kernels in plain stream order (each waits for its predecessor's writes before reading
+    anything)."""
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
     w_router = torch.randn(experts, hidden, device=DEVICE, generator=gen).bfloat16()
     w_in, b_in, w_out, b_out = _bf16(*_weights(experts, hidden, width, True, False, gen))
@@ -622,15 +623,15 @@ def test_programmatic_launches_match_stream_order_in_a_cuda_graph(tokens, expert
         return h
 
     with torch.no_grad():
-        monkeypatch.setattr(choices, "PROGRAMMATIC_LAUNCH", True)
+        monkeypatch.setattr(choices, "PROGRAMMATIC_LAUNCH", "auto")
         assert choices.programmatic_launch(x)
         graph, out = graphs.capture(two_layers)
         for seed in range(2):
             x.copy_(torch.randn(tokens, hidden, device=DEVICE, generator=gen))
             graph.replay()
-            monkeypatch.setattr(choices, "PROGRAMMATIC_LAUNCH", False)
+            monkeypatch.setattr(choices, "PROGRAMMATIC_LAUNCH", "off")
             assert torch.equal(out, two_layers()), seed
-            monkeypatch.setattr(choices, "PROGRAMMATIC_LAUNCH", True)
+            monkeypatch.setattr(choices, "PROGRAMMATIC_LAUNCH", "auto")
 
 
 def test_compiled_hf_moe_runs_its_moe_ops_inside_cuda_graphs():
@@ -658,22 +659,24 @@ def test_compiled_hf_moe_runs_its_moe_ops_inside_cuda_graphs():
 
 
 @pytest.mark.skipif(not _hopper(), reason="programmatic dependent launch: Hopper")
-def test_generate_with_programmatic_launches_gives_the_same_tokens(monkeypatch):
-    """moecompile.generate on a tiny Qwen3-MoE with MOECOMPILE_PDL=on (inductor's kernels and ours launched as
-    programmatic dependents inside the captured decode step) gives the tokens and first logits of plain launches."""
+@pytest.mark.parametrize("batch, setting", [(1, "auto"), (2, "on")])
+def test_generate_with_programmatic_launches_gives_the_same_tokens(batch, setting, monkeypatch):
+    """moecompile.generate on a tiny Qwen3-MoE with MOECOMPILE_PDL auto (batch 1: inductor's kernels of the decode
+    step and ours launched as programmatic dependents inside the captured step) or on (every graph's) gives the
+    tokens of plain launches (off)."""
     from hf_moe import tiny_moe, token_ids
 
     import moecompile
 
-    ids = token_ids(batch=2).to(DEVICE)
+    ids = token_ids(batch=batch).to(DEVICE)
     results = {}
-    for on in (False, True):  # a model each: generate keeps its compiled step per model
+    for value in ("off", setting):  # a model each: generate keeps its compiled step per model
         model = tiny_moe("tiny-qwen3-moe").to(DEVICE, torch.bfloat16)
-        monkeypatch.setattr(choices, "PROGRAMMATIC_LAUNCH", on)
+        monkeypatch.setattr(choices, "PROGRAMMATIC_LAUNCH", value)
         torch._dynamo.reset()
         with torch.no_grad():
-            results[on] = moecompile.generate(model, ids, max_new_tokens=8)
-    assert torch.equal(results[True], results[False])
+            results[value] = moecompile.generate(model, ids, max_new_tokens=8)
+    assert torch.equal(results[setting], results["off"])
     torch._dynamo.reset()
 
 

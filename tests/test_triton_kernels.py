@@ -276,21 +276,22 @@ def test_fold_combine_setting(monkeypatch, setting, tuned, folds):
 
 
 def test_programmatic_launch_setting(monkeypatch):
-    """MOECOMPILE_PDL: off by default, else on; anything else is a one-line error. Tensors off the GPU never launch
-    as programmatic dependents, whatever the setting."""
+    """MOECOMPILE_PDL: auto by default, else on or off; anything else is a one-line error. Tensors off the GPU never
+    launch as programmatic dependents, whatever the setting."""
     from moecompile.core import settings
     from moecompile.core.errors import MoECompileError
     from moecompile.runtime import choices as C
 
     monkeypatch.delenv("MOECOMPILE_PDL", raising=False)
-    assert settings.programmatic_launch() == "off"
-    monkeypatch.setenv("MOECOMPILE_PDL", "on")
-    assert settings.programmatic_launch() == "on"
+    assert settings.programmatic_launch() == "auto"
+    for value in ("on", "off"):
+        monkeypatch.setenv("MOECOMPILE_PDL", value)
+        assert settings.programmatic_launch() == value
     monkeypatch.setenv("MOECOMPILE_PDL", "1")
-    with pytest.raises(MoECompileError, match="^MOECOMPILE_PDL='1': expected one of off, on$"):
+    with pytest.raises(MoECompileError, match="^MOECOMPILE_PDL='1': expected one of auto, on, off$"):
         settings.programmatic_launch()
-    for on in (False, True):
-        monkeypatch.setattr(C, "PROGRAMMATIC_LAUNCH", on)
+    for value in ("auto", "on", "off"):
+        monkeypatch.setattr(C, "PROGRAMMATIC_LAUNCH", value)
         assert C.programmatic_launch(torch.zeros(1)) is False
 
 

@@ -51,10 +51,10 @@ def fold_combine() -> str:
 
 
 def programmatic_launch() -> str:
-    """MOECOMPILE_PDL: on launches the decode step's kernels (inductor's and moecompile's routing and direct experts)
-    as programmatic dependents on Hopper and later, each starting while the one before it finishes; off (default)
-    launches them in plain stream order."""
-    return _one_of("MOECOMPILE_PDL", "off", ("off", "on"))
+    """MOECOMPILE_PDL: kernels launched as programmatic dependents on Hopper and later, each starting to launch while
+    the one before it finishes: auto (default) moecompile's decode kernels (routing, direct experts) and inductor's
+    kernels of one-token decode steps; on, inductor's kernels of every compiled graph too; off, none."""
+    return _one_of("MOECOMPILE_PDL", "auto", ("auto", "on", "off"))
 
 
 def fp8_gemm() -> str:
