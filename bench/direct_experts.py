@@ -7,7 +7,8 @@ CPU smoke test:  python bench/direct_experts.py --tiny     (Triton's interpreter
 
 Each configuration is one of the autotuner's candidates for that weight type (kernels/triton_direct.py for bf16,
 kernels/triton_fp8_decode.py for FP8), launched with its tiles, warps and stages for both projections; "autotuned"
-is what the runtime runs. Every call routes the token to other experts (distinct, drawn at random), so the weights
+is the autotuner's pick, "runtime table" the tiles the runtime launches (kernels/configs/direct_experts.json, chosen
+from this table). Every call routes the token to other experts (distinct, drawn at random), so the weights
 come from memory, not L2. Kernel times are the profiler's device time per call (eager launches: the launch gaps are
 not counted); GB/s counts the hit experts' weights (and scales) once. err: the output against the float32 reference
 on the same weights.
@@ -73,6 +74,7 @@ def run_shape(name: str, hidden: int, width: int, experts: int, k: int, device: 
 
     from moecompile.core import fp8_format as F
     from moecompile.kernels import reference, triton_direct, triton_fp8_decode
+    from moecompile.runtime import choices
 
     gen = torch.Generator(device=device).manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -95,13 +97,14 @@ def run_shape(name: str, hidden: int, width: int, experts: int, k: int, device: 
                 lambda i: reference.routed_experts_fp8(x, weights[i:i + 1], ids[i:i + 1], *fp8_in, None, *fp8_out,
                                                        None, "silu", True)),
     }
+    table = choices.direct_expert_tiles(hidden, width)  # what the runtime launches
     lines = []
     for kind, (ours, want) in runs.items():
         ref = want(0)
-        for config in [None, *candidates(kind == "fp8", tiny)]:
+        for config in [None, "table", *candidates(kind == "fp8", tiny)]:
             if config is None and device != "cuda":
                 continue  # the interpreter cannot autotune
-            tiles = None if config is None else {"in": config, "out": config}
+            tiles = table if config == "table" else None if config is None else {"in": config, "out": config}
             got = ours(tiles, 0)
             err = ((got.float() - ref).norm() / ref.norm()).item()
             times = kernel_ms([lambda i=i: ours(tiles, i) for i in range(draws)], device)
@@ -111,7 +114,9 @@ def run_shape(name: str, hidden: int, width: int, experts: int, k: int, device: 
                 cells.append(moe_layer.rate(ms, k * bytes_per[projection][kind], bandwidth) if ms else "—")
             if device != "cuda":
                 cells[0] = f"{times['all']:.3f} (both)"
-            if config is None:
+            if config == "table":
+                config_text = f"runtime table ({label(table['in'])} / {label(table['out'])})"
+            elif config is None:
                 chosen = (triton_fp8_decode._fp8_direct_in_tuned, triton_fp8_decode._fp8_direct_out_tuned) \
                     if kind == "fp8" else triton_direct.KERNELS
                 picked = " / ".join(label({**c.best_config.kwargs, "num_warps": c.best_config.num_warps,
@@ -148,7 +153,8 @@ def main(argv=None) -> int:
         f"{args.commit}, {time.strftime('%Y-%m-%d')}, on {card} (copy bandwidth {bandwidth / 1e12:.2f} TB/s); "
         f"torch {torch.__version__}. Device ms per call (profiler), {DRAWS} routings each to other experts; the "
         "percentages are of the copy bandwidth. Configuration: BLOCK_N x BLOCK_K, warps, stages, the same for both "
-        "projections; autotuned: the runtime's pick (first / second).", "",
+        "projections; autotuned: the autotuner's pick (first / second); runtime table: the tiles the runtime launches "
+        "(kernels/configs/direct_experts.json).", "",
         "| shape | weights | configuration | first projection ms | second projection ms | err |",
         "|---|---|---|---|---|---|",
     ]
