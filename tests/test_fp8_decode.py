@@ -214,7 +214,7 @@ def test_fp8_decode_step_compiles_with_the_rewritten_linears(monkeypatch):
     from moecompile.generation import Generator
 
     monkeypatch.setattr(direct_experts, "MAX_ASSIGNMENTS_PER_EXPERT", 1.0)
-    monkeypatch.setattr(backend, "_inductor", lambda gm, inputs, opts, matvec: aot_eager(gm, inputs))
+    monkeypatch.setattr(backend, "_inductor", lambda gm, inputs, *settings: aot_eager(gm, inputs))
     model = tiny_moe("tiny-qwen3-moe", one_layer=True)
     model.generation_config.eos_token_id = None
     ids = token_ids(batch=1, length=6)
