@@ -406,7 +406,8 @@ def profile_step(gen: Generator, ids, sampling: Sampling | None = None, steps: i
 
 def autotuned_tiles() -> list[str]:
     """The tiles the decode kernels' autotuners picked in this process, per autotuning key: a kernel slower in the
-    step than in bench/direct_experts.py may have picked others."""
+    step than in bench/direct_experts.py may have picked others. (The runtime's direct experts take the tiles of
+    kernels/configs/direct_experts.json; their autotuners run only where something calls them without tiles.)"""
     from moecompile.kernels import triton_direct, triton_fp8_decode
 
     tuners = {"direct": triton_direct.KERNELS,
