@@ -66,11 +66,14 @@ FP8_LINEAR_MAX_ROWS = 64
 def programmatic_launch(x) -> bool:
     """Whether moecompile's decode kernels reading the CUDA tensor x launch as programmatic dependents (PDL:
     Hopper on)."""
-    if PROGRAMMATIC_LAUNCH == "off" or not x.is_cuda:
-        return False
-    import torch  # (only where it is on: this module answers without torch)
+    return PROGRAMMATIC_LAUNCH != "off" and x.is_cuda and _has_programmatic_launch(x.device.index)
 
-    return torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+@functools.cache
+def _has_programmatic_launch(device_index: int | None) -> bool:
+    import torch  # (only for CUDA tensors: this module answers without torch)
+
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def inductor_programmatic_launch(one_token: bool) -> bool:
