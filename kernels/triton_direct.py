@@ -157,7 +157,7 @@ def launch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_in: torc
     w_in, w_out = w_in.contiguous(), w_out.contiguous()
     s_in, s_out = (x, x) if scales is None else (s.float().contiguous() for s in scales)
     act = x.new_empty(assignments, width)
-    pdl = pdl and x.is_cuda and HAS_GRID_DEPENDENCY  # a Triton without it launches them in stream order
+    pdl = pdl and HAS_GRID_DEPENDENCY  # a Triton without it launches them in stream order
     first = dict(hidden=hidden, width=width, HAS_BIAS=b_in is not None, GATED=gated, SCALED=scales is not None,
                  ACT=ACTIVATION_IDS[activation] if activation else -1, PDL=pdl, launch_pdl=pdl)
     second = dict(hidden=hidden, width=width, HAS_BIAS=b_out is not None, SCALED=scales is not None, PDL=pdl,

@@ -121,7 +121,7 @@ def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: st
     e_pad = triton.next_power_of_2(num_experts)
     block_t = max(1, min(64, 4096 // e_pad, triton.next_power_of_2(tokens)))
     logits = router_logits.contiguous()
-    pdl = pdl and logits.is_cuda and HAS_GRID_DEPENDENCY  # a Triton without it launches it in stream order
+    pdl = pdl and HAS_GRID_DEPENDENCY  # a Triton without it launches it in stream order
     _topk_kernel[(triton.cdiv(tokens, block_t),)](
         logits, correction_bias if correction_bias is not None else logits, weights, ids, tokens, num_experts,
         float(scaling_factor), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,

@@ -136,6 +136,7 @@ def direct_experts_table() -> dict:
     return _config_file(DIRECT_EXPERTS_CONFIG)
 
 
+@functools.cache  # asked at every decode call of the op; callers only read it
 def direct_expert_tiles(hidden: int, width: int) -> dict:
     """{"in": ..., "out": ...}: the direct experts' tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) of the first
     projection (K = hidden) and the second (K = width), from kernels/configs/direct_experts.json."""
