@@ -419,7 +419,6 @@ def test_fp8_auto_runs_the_block_math_where_rowwise_copies_cannot_be_kept(monkey
     assert rt_fp8._kept(w_in_q, w_in_s, F.rowwise_from_blocks) is None
 
 
-@needs_cutlass
 @pytest.mark.skipif(not _hopper(), reason="sm_90 only")
 @pytest.mark.parametrize("counts,hidden,width", [
     ([0, 37, 300, 1], 256, 384),  # an empty expert, odd group sizes, K of 3 steps (fewer than the stages)
@@ -454,6 +453,7 @@ def test_gluon_fp8_matches_reference_math(counts, hidden, width, activation, gat
     assert _rel(got[:n], want[:n]) <= 2e-2
 
 
+@needs_cutlass
 @pytest.mark.skipif(not _hopper(), reason="sm_90 only")
 @pytest.mark.parametrize("counts,hidden,width", [
     ([0, 37, 300, 1], 256, 384),  # an empty expert, odd group sizes
