@@ -14,6 +14,7 @@ from moecompile.kernels.triton_moe import HAS_GRID_DEPENDENCY, dependent_launch
 SCORING_IDS = {"softmax": 0, "sigmoid": 1}
 MAX_EXPERTS = 1024  # one token's scores live in registers
 _RANK_TILE = 16384  # assignments x bins per program of the rank kernel (one-hot cumsum in registers)
+_SCAN_CHUNK = 1024  # rank blocks per step of a bin's running sum
 # Up to this many assignments (decode) one kernel sorts and copies: each program compares its assignments with all
 # of them (quadratic, but one launch instead of the counting sort's several).
 SMALL_DISPATCH = 1024
@@ -156,15 +157,39 @@ def _copy_rows(x_ptr, rows_ptr, a, pos, amask, hidden: tl.constexpr, TOP_K: tl.c
 
 
 @triton.jit
-def _scatter_rows_kernel(x_ptr, ids_ptr, rank_ptr, base_ptr, order_ptr, rows_ptr, n, num_blocks,
-                         hidden: tl.constexpr, TOP_K: tl.constexpr, RANK_BLOCK: tl.constexpr, BLOCK_A: tl.constexpr,
-                         BLOCK_H: tl.constexpr, COPY: tl.constexpr):
-    """Sorted position of each assignment = its expert's start + the earlier blocks' count + its rank; writes
-    order[pos] = a and (COPY) copies the token's row to rows[pos]."""
+def _scan_counts_kernel(counts_ptr, totals_ptr, num_blocks, CHUNK: tl.constexpr):
+    """For one bin: its counts over the rank blocks become their exclusive running sum (in place), and totals[bin]
+    their sum."""
+    row = counts_ptr + tl.program_id(0).to(tl.int64) * num_blocks
+    carry = tl.full((), 0, tl.int32)
+    for b0 in range(0, num_blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        c = tl.load(row + b, mask=b < num_blocks, other=0)
+        tl.store(row + b, carry + tl.cumsum(c, axis=0) - c, mask=b < num_blocks)
+        carry += tl.sum(c, axis=0)
+    tl.store(totals_ptr + tl.program_id(0), carry)
+
+
+@triton.jit
+def _scatter_rows_kernel(x_ptr, ids_ptr, rank_ptr, prefix_ptr, totals_ptr, order_ptr, rows_ptr, offsets_ptr, n,
+                         num_experts, num_blocks, hidden: tl.constexpr, TOP_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
+                         BLOCK_A: tl.constexpr, B_PAD: tl.constexpr, BIN_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr,
+                         COPY: tl.constexpr):
+    """Sorted position of each assignment = its expert's start (the totals of the bins before it) + the earlier
+    blocks' count of its expert + its rank; writes order[pos] = a and (COPY) copies the token's row to rows[pos].
+    Index i of this program also names expert i, whose end (offsets[i]) it writes."""
     a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
     amask = a < n
     e = tl.load(ids_ptr + a, mask=amask, other=0).to(tl.int32)
-    pos = tl.load(base_ptr + e * num_blocks + a // RANK_BLOCK, mask=amask, other=0) + \
+    starts = tl.zeros((BLOCK_A,), dtype=tl.int32)
+    ends = tl.zeros((BLOCK_A,), dtype=tl.int32)
+    for b0 in tl.static_range(0, B_PAD, BIN_CHUNK):
+        bins = b0 + tl.arange(0, BIN_CHUNK)
+        t = tl.load(totals_ptr + bins, mask=bins <= num_experts, other=0)[None, :]
+        starts += tl.sum(tl.where(bins[None, :] < e[:, None], t, 0), axis=1)
+        ends += tl.sum(tl.where(bins[None, :] <= a[:, None], t, 0), axis=1)
+    tl.store(offsets_ptr + a, ends, mask=a < num_experts)
+    pos = starts + tl.load(prefix_ptr + e * num_blocks + a // RANK_BLOCK, mask=amask, other=0) + \
         tl.load(rank_ptr + a, mask=amask, other=0)
     tl.store(order_ptr + pos, a.to(tl.int64), mask=amask)
     if COPY:
@@ -222,18 +247,16 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, c
     blocks = triton.cdiv(n, rank_block)
     rank = torch.empty(n, dtype=torch.int32, device=hidden.device)
     counts = torch.empty(num_bins, blocks, dtype=torch.int32, device=hidden.device)
+    totals = torch.empty(num_bins, dtype=torch.int32, device=hidden.device)
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=hidden.device)
     _rank_kernel[(blocks,)](ids, rank, counts, n, num_bins, BLOCK=rank_block, B_PAD=b_pad)
-    # per expert, a scan over the blocks (along the inner dim: torch's scan along the outer dim is slow)
-    running = counts.cumsum(1, dtype=torch.int32)
-    totals = running[:, -1]
-    ends = totals.cumsum(0, dtype=torch.int32)
-    # base[e, b]: where expert e's group starts + the assignments to e in the blocks before b
-    base = running - counts + (ends - totals).unsqueeze(1)
+    _scan_counts_kernel[(num_bins,)](counts, totals, blocks, CHUNK=min(_SCAN_CHUNK, triton.next_power_of_2(blocks)))
     block_a = 32
-    _scatter_rows_kernel[(triton.cdiv(n, block_a),)](
-        hidden.contiguous(), ids, rank, base, order, rows if copy_rows else order, n, blocks, hidden=width,
-        TOP_K=top_k, RANK_BLOCK=rank_block, BLOCK_A=block_a, BLOCK_H=block_h, COPY=copy_rows)
-    return rows, order, ends[:num_experts].contiguous()
+    _scatter_rows_kernel[(triton.cdiv(max(n, num_experts), block_a),)](
+        hidden.contiguous(), ids, rank, counts, totals, order, rows if copy_rows else order, offsets, n, num_experts,
+        blocks, hidden=width, TOP_K=top_k, RANK_BLOCK=rank_block, BLOCK_A=block_a, B_PAD=b_pad,
+        BIN_CHUNK=min(b_pad, 128), BLOCK_H=block_h, COPY=copy_rows)
+    return rows, order, offsets
 
 
 @triton.jit

@@ -97,6 +97,16 @@ def test_dispatch_edge_cases(dispatch_path):
     assert rows.shape == (0, 20) and order.shape == (0,) and torch.equal(offsets, torch.zeros(4, dtype=torch.int32))
 
 
+def test_counting_sort_over_many_rank_blocks(monkeypatch):
+    """One assignment per rank block and a running sum over the blocks in several steps: the scan's carry."""
+    monkeypatch.setattr(TR, "SMALL_DISPATCH", 0)
+    monkeypatch.setattr(TR, "_RANK_TILE", 1)
+    monkeypatch.setattr(TR, "_SCAN_CHUNK", 4)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 6, (37, 2), generator=gen)  # id 5 of 5 experts: dropped
+    _check_dispatch(torch.randn(37, 12, generator=gen), ids, 5)
+
+
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (1, 8, 2), (3, 6, 6), (16, 128, 8), (5, 3, 1),
                                                   (2, 256, 8)])
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
