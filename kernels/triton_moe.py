@@ -159,7 +159,7 @@ def expert_activation_backward(h, offsets, bias, grad_a, activation: str, gated:
 @triton.jit
 def _row_of(row_of_ptr, order_ptr, n, a, amask, SEARCH: tl.constexpr, CHUNK: tl.constexpr):
     """Sorted row of each assignment a: read from the inverse permutation, or (SEARCH) found in order itself, which
-    for few assignments costs less than the two launches that build the inverse."""
+    for few assignments costs less than the launch that builds the inverse."""
     if SEARCH:
         row = tl.zeros(a.shape, dtype=tl.int64)
         for p0 in range(0, n, CHUNK):
@@ -169,6 +169,20 @@ def _row_of(row_of_ptr, order_ptr, n, a, amask, SEARCH: tl.constexpr, CHUNK: tl.
     else:
         row = tl.load(row_of_ptr + a, mask=amask, other=0)
     return row
+
+
+@triton.jit
+def _invert_kernel(order_ptr, row_of_ptr, n, BLOCK: tl.constexpr):
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(row_of_ptr + tl.load(order_ptr + p, mask=p < n, other=0), p.to(tl.int64), mask=p < n)
+
+
+def row_of_assignments(order: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation of order (each assignment's sorted row) in one launch."""
+    row_of = torch.empty_like(order)
+    if order.numel():
+        _invert_kernel[(triton.cdiv(order.numel(), 1024),)](order, row_of, order.numel(), BLOCK=1024)
+    return row_of
 
 
 @triton.jit
@@ -201,8 +215,7 @@ def combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
         return out
     n = order.numel()
     search = n <= SEARCH_ROWS
-    row_of = order if search else \
-        torch.empty_like(order).scatter_(0, order, torch.arange(n, device=order.device))
+    row_of = order if search else row_of_assignments(order)
     weights = weights.float().contiguous()
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(hidden, block_h))
     _combine_kernel[grid](expert_out, row_of, order, weights, out, tokens, n, hidden, expert_out.stride(0),
@@ -244,7 +257,7 @@ def combine_backward(grad_out, expert_out, order, weights, block_t: int = 16, bl
     grad_w = torch.empty(tokens, top_k, dtype=torch.float32, device=weights.device)
     if tokens == 0:
         return grad_rows, grad_w.to(weights.dtype)
-    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    row_of = row_of_assignments(order)
     _combine_backward_kernel[(triton.cdiv(tokens, block_t),)](
         grad_out, expert_out, row_of, weights.float().contiguous(), grad_rows, grad_w, tokens, expert_out.shape[1],
         TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h)

@@ -54,6 +54,7 @@ def cases():
                "grad_h_ptr": BF16}
     yield (triton_moe._expert_activation_backward_kernel, "gelu", act_bwd,
            dict(HAS_BIAS=True, GATED=False, ACT=0, BLOCK_M=32, BLOCK_N=128, E_PAD=8), {})
+    yield (triton_moe._invert_kernel, "", {"order_ptr": "*i64", "row_of_ptr": "*i64"}, dict(BLOCK=1024), {})
     combine = {"y_ptr": BF16, "row_of_ptr": "*i64", "order_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": BF16}
     for search in (False, True):
         yield (triton_moe._combine_kernel, f"k=8, search {search}", combine,
