@@ -173,23 +173,20 @@ def _scan_counts_kernel(counts_ptr, totals_ptr, num_blocks, CHUNK: tl.constexpr)
 @triton.jit
 def _scatter_rows_kernel(x_ptr, ids_ptr, rank_ptr, prefix_ptr, totals_ptr, order_ptr, rows_ptr, offsets_ptr, n,
                          num_experts, num_blocks, hidden: tl.constexpr, TOP_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
-                         BLOCK_A: tl.constexpr, B_PAD: tl.constexpr, BIN_CHUNK: tl.constexpr, BLOCK_H: tl.constexpr,
-                         COPY: tl.constexpr):
+                         BLOCK_A: tl.constexpr, B_PAD: tl.constexpr, BLOCK_H: tl.constexpr, COPY: tl.constexpr):
     """Sorted position of each assignment = its expert's start (the totals of the bins before it) + the earlier
     blocks' count of its expert + its rank; writes order[pos] = a and (COPY) copies the token's row to rows[pos].
-    Index i of this program also names expert i, whose end (offsets[i]) it writes."""
+    The first program also writes the groups' ends (offsets)."""
     a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
     amask = a < n
     e = tl.load(ids_ptr + a, mask=amask, other=0).to(tl.int32)
-    starts = tl.zeros((BLOCK_A,), dtype=tl.int32)
-    ends = tl.zeros((BLOCK_A,), dtype=tl.int32)
-    for b0 in tl.static_range(0, B_PAD, BIN_CHUNK):
-        bins = b0 + tl.arange(0, BIN_CHUNK)
-        t = tl.load(totals_ptr + bins, mask=bins <= num_experts, other=0)[None, :]
-        starts += tl.sum(tl.where(bins[None, :] < e[:, None], t, 0), axis=1)
-        ends += tl.sum(tl.where(bins[None, :] <= a[:, None], t, 0), axis=1)
-    tl.store(offsets_ptr + a, ends, mask=a < num_experts)
-    pos = starts + tl.load(prefix_ptr + e * num_blocks + a // RANK_BLOCK, mask=amask, other=0) + \
+    bins = tl.arange(0, B_PAD)
+    totals = tl.load(totals_ptr + bins, mask=bins <= num_experts, other=0)
+    ends = tl.cumsum(totals, axis=0)
+    if tl.program_id(0) == 0:
+        tl.store(offsets_ptr + bins, ends, mask=bins < num_experts)
+    pos = tl.gather(ends - totals, e, axis=0) + \
+        tl.load(prefix_ptr + e * num_blocks + a // RANK_BLOCK, mask=amask, other=0) + \
         tl.load(rank_ptr + a, mask=amask, other=0)
     tl.store(order_ptr + pos, a.to(tl.int64), mask=amask)
     if COPY:
@@ -252,10 +249,10 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, c
     _rank_kernel[(blocks,)](ids, rank, counts, n, num_bins, BLOCK=rank_block, B_PAD=b_pad)
     _scan_counts_kernel[(num_bins,)](counts, totals, blocks, CHUNK=min(_SCAN_CHUNK, triton.next_power_of_2(blocks)))
     block_a = 32
-    _scatter_rows_kernel[(triton.cdiv(max(n, num_experts), block_a),)](
+    _scatter_rows_kernel[(triton.cdiv(n, block_a),)](
         hidden.contiguous(), ids, rank, counts, totals, order, rows if copy_rows else order, offsets, n, num_experts,
-        blocks, hidden=width, TOP_K=top_k, RANK_BLOCK=rank_block, BLOCK_A=block_a, B_PAD=b_pad,
-        BIN_CHUNK=min(b_pad, 128), BLOCK_H=block_h, COPY=copy_rows)
+        blocks, hidden=width, TOP_K=top_k, RANK_BLOCK=rank_block, BLOCK_A=block_a, B_PAD=b_pad, BLOCK_H=block_h,
+        COPY=copy_rows)
     return rows, order, offsets
 
 
