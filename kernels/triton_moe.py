@@ -206,7 +206,7 @@ def _combine_kernel(y_ptr, row_of_ptr, order_ptr, w_ptr, out_ptr, tokens, n, hid
 
 
 def combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
-            block_t: int = 16, block_h: int = 256) -> torch.Tensor:
+            block_t: int = 16, block_h: int = 256, num_warps: int = 4) -> torch.Tensor:
     """out[t] = sum_j weights[t, j] * expert_out[row of (t, j)]: a gather per token, no atomics, deterministic."""
     tokens, top_k = weights.shape
     hidden = expert_out.shape[1]
@@ -220,7 +220,7 @@ def combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(hidden, block_h))
     _combine_kernel[grid](expert_out, row_of, order, weights, out, tokens, n, hidden, expert_out.stride(0),
                           out.stride(0), TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h, SEARCH=search,
-                          CHUNK=min(128, triton.next_power_of_2(n)))
+                          CHUNK=min(128, triton.next_power_of_2(n)), num_warps=num_warps)
     return out
 
 
