@@ -132,7 +132,7 @@ def gathered_layer(ours, x2, k):
         logits = ours.router_logits(x2)  # as the layer computes them (float32 out of tensor cores)
         weights, ids = triton_routing.topk(logits, k, True)
         _, order, offsets = triton_routing.dispatch(x2, ids, e, copy_rows=False)
-        cu = quack_gemm.group_starts(offsets)
+        cu = triton_routing.group_starts(offsets)
         a = quack_gemm.first_projection(x2, cu, w_in, None, "silu", True,
                                         gather_rows=(order // k).to(torch.int32), interleaved=True, config=first)
         return triton_moe.combine(quack_gemm.second_projection(a, cu, w_out, None, config=second), order, weights)

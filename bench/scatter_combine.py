@@ -55,7 +55,8 @@ def projection_variants(r, a, tokens, k):
     def second(kernel):
         if kernel == "quack":
             config = choices.quack_config("second", w_out.shape[2], w_out.shape[1])
-            return lambda: quack_gemm.second_projection(a, quack_gemm.group_starts(offsets), w_out, None, config=config)
+            starts = triton_routing.group_starts(offsets)
+            return lambda: quack_gemm.second_projection(a, starts, w_out, None, config=config)
         return lambda: triton_moe.grouped_ffn_in(a, offsets, w_out, None, None, False, variant=kernel)
 
     kernels = ["triton_persistent"]

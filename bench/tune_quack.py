@@ -46,7 +46,7 @@ def gemms(d, f, e, k, tokens):
     logits = torch.randn(tokens, e, device="cuda", generator=gen)
     _, ids = triton_routing.topk(logits, k, True)
     rows, order, offsets = triton_routing.dispatch(x, ids, e)
-    cu = quack_gemm.group_starts(offsets)
+    cu = triton_routing.group_starts(offsets)
     gather = (order // k).to(torch.int32)
     a = torch.randn(rows.shape[0], f, device="cuda", dtype=torch.bfloat16, generator=gen)
     from quack import gemm_interface as q
@@ -81,7 +81,7 @@ def backward_gemms(d, f, e, k, tokens):
     w_out = torch.randn(e, d, f, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     _, ids = triton_routing.topk(torch.randn(tokens, e, device="cuda", generator=gen), k, True)
     rows, order, offsets = triton_routing.dispatch(x, ids, e)
-    cu = quack_gemm.group_starts(offsets)
+    cu = triton_routing.group_starts(offsets)
     tokens_of_rows = (order // k).to(torch.int32)
     scores = torch.rand(rows.shape[0], device="cuda", generator=gen)
     _, h = quack_gemm.first_projection_train(rows, cu, w_in, None, "silu", True)

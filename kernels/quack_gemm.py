@@ -54,11 +54,6 @@ def gemm_config(config: dict | None):
     return GemmConfig(**config)
 
 
-def group_starts(offsets: torch.Tensor) -> torch.Tensor:
-    """QuACK's cu_seqlens_m ([E + 1] int32, from 0) from moecompile's offsets (the E cumulative group ends)."""
-    return torch.nn.functional.pad(offsets.to(torch.int32), (1, 0))
-
-
 def first_projection(x: torch.Tensor, cu_seqlens: torch.Tensor, w_in: torch.Tensor, b_in, activation: str,
                      gated: bool, gather_rows: torch.Tensor | None = None, interleaved: bool = False,
                      config: dict | None = None) -> torch.Tensor:

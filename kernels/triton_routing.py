@@ -257,6 +257,22 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, c
 
 
 @triton.jit
+def _group_starts_kernel(offsets_ptr, starts_ptr, num_experts, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    ends = tl.load(offsets_ptr + i - 1, mask=(i > 0) & (i <= num_experts), other=0)
+    tl.store(starts_ptr + i, ends.to(tl.int32), mask=i <= num_experts)
+
+
+def group_starts(offsets: torch.Tensor) -> torch.Tensor:
+    """[E + 1] int32 from 0: each group's start, then the last group's end (the groups' cumulative ends, offsets,
+    behind a zero; QuACK's cu_seqlens) in one launch."""
+    num_experts = offsets.shape[0]
+    starts = torch.empty(num_experts + 1, dtype=torch.int32, device=offsets.device)
+    _group_starts_kernel[(1,)](offsets, starts, num_experts, BLOCK=triton.next_power_of_2(num_experts + 1))
+    return starts
+
+
+@triton.jit
 def _gather_rows_kernel(x_ptr, order_ptr, rows_ptr, n, hidden: tl.constexpr, TOP_K: tl.constexpr,
                         BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr):
     """rows[pos] = x[order[pos] // TOP_K]: dispatch's row copy for an order already computed."""

@@ -85,7 +85,7 @@ def _projection_kernels(x, w_in, w_out, activation: str, gated: bool, training: 
 
 def _second_projection(a, offsets, w_out, b_out, kernel: str):
     if kernel == "quack":
-        return quack_gemm.second_projection(a, quack_gemm.group_starts(offsets), w_out, b_out,
+        return quack_gemm.second_projection(a, triton_routing.group_starts(offsets), w_out, b_out,
                                             config=choices.quack_config("second", w_out.shape[2], w_out.shape[1]))
     if kernel.startswith("triton"):
         return triton_moe.grouped_ffn_in(a, offsets, w_out, b_out, None, False, variant=kernel)
@@ -103,7 +103,7 @@ def _grouped_mm_first_projection(x, offsets, w_in, b_in, activation: str, gated:
 
 def _quack_first_projection(x, offsets, w_in, b_in, activation: str, gated: bool):
     """(a, h) on QuACK over dispatched rows, with the tuned configuration: QuACK writes h there in any case."""
-    return quack_gemm.first_projection_train(x, quack_gemm.group_starts(offsets), w_in, b_in, activation, gated,
+    return quack_gemm.first_projection_train(x, triton_routing.group_starts(offsets), w_in, b_in, activation, gated,
                                              config=choices.quack_config("first", w_in.shape[2], w_in.shape[1]))
 
 
@@ -138,8 +138,8 @@ def gathered_first_projection(hidden, order, offsets, top_k: int, w_in, b_in, w_
     kernels the table picks for this many rows: QuACK gathering the rows itself, or any kernel on their copy."""
     first, second = _projection_kernels(hidden, w_in, w_out, activation, gated, rows=order.shape[0])
     if first == "quack_gathered":
-        a = quack_gemm.first_projection(hidden.contiguous(), quack_gemm.group_starts(offsets), w_in, b_in, activation,
-                                        gated, gather_rows=_token_of(order, top_k),
+        a = quack_gemm.first_projection(hidden.contiguous(), triton_routing.group_starts(offsets), w_in, b_in,
+                                        activation, gated, gather_rows=_token_of(order, top_k),
                                         config=choices.quack_config("first", w_in.shape[2], w_in.shape[1],
                                                                     gathered=True))
         return a, second
@@ -180,7 +180,7 @@ def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gat
             h = _quack_first_projection(x, offsets, w_in, b_in, activation, gated)[1]
         configs = choices.quack_backward_configs(x.shape[1], w_out.shape[2], w_in.shape[1])
         grad_x, grad_w_in, grad_w_out, grad_h = quack_gemm.backward(
-            grad_y, x, quack_gemm.group_starts(offsets), w_in, w_out, h, activation, gated, configs)
+            grad_y, x, triton_routing.group_starts(offsets), w_in, w_out, h, activation, gated, configs)
     else:
         if h is None:
             h = grouped_mm.grouped(x, w_in.transpose(-2, -1), offsets)
@@ -238,7 +238,7 @@ def experts_combine_backward(grad_out, x, offsets, order, weights, w_in, b_in, w
     scores = weights.reshape(-1).index_select(0, order).float()
     configs = choices.quack_backward_configs(x.shape[1], w_out.shape[2], w_in.shape[1], combined=True)
     grad_x, grad_w_in, grad_w_out, grad_h, grad_scores = quack_gemm.combined_backward(
-        grad_out, tokens, scores, x, quack_gemm.group_starts(offsets), w_in, w_out, h, activation, configs)
+        grad_out, tokens, scores, x, triton_routing.group_starts(offsets), w_in, w_out, h, activation, configs)
     # a dropped slot (weight 0, its row past the groups, grad_scores unwritten there) gets none, as in combine_backward
     grad_weights = grad_scores.new_empty(scores.shape).index_copy_(0, order, grad_scores).view(weights.shape)
     grad_weights = torch.where(weights != 0, grad_weights, 0.0).to(weights.dtype)

@@ -158,3 +158,12 @@ def test_gather_rows_is_index_select_of_the_tokens(tokens, top_k, width, dtype):
     got = TR.gather_rows(hidden, order, top_k)
     assert got.dtype == dtype and got.shape == (tokens * top_k, width)
     assert torch.equal(got.view(torch.uint8), hidden.index_select(0, order // top_k).view(torch.uint8))
+
+
+@pytest.mark.parametrize("experts", [1, 5, 128, 257])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_group_starts_puts_a_zero_before_the_ends(experts, dtype):
+    offsets = torch.randint(0, 50, (experts,), generator=torch.Generator().manual_seed(experts)).cumsum(0).to(dtype)
+    starts = TR.group_starts(offsets)
+    assert starts.dtype == torch.int32
+    assert torch.equal(starts, torch.nn.functional.pad(offsets.to(torch.int32), (1, 0)))
