@@ -268,7 +268,8 @@ def group_starts(offsets: torch.Tensor) -> torch.Tensor:
     behind a zero; QuACK's cu_seqlens) in one launch."""
     num_experts = offsets.shape[0]
     starts = torch.empty(num_experts + 1, dtype=torch.int32, device=offsets.device)
-    _group_starts_kernel[(1,)](offsets, starts, num_experts, BLOCK=triton.next_power_of_2(num_experts + 1))
+    _group_starts_kernel[(1,)](offsets.contiguous(), starts, num_experts,
+                               BLOCK=triton.next_power_of_2(num_experts + 1))
     return starts
 
 
