@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of one device call: install, the GPU tests, then the MoE-layer benchmark (peers in the same run).
-#   bash bench/gpu_check.sh tests [PATHS]  # pytest -m gpu (all of tests/ by default), log to $OUT/gpu-tests.log
+#   bash bench/gpu_check.sh tests [PATHS]  # pytest -m gpu (all of tests/ by default), a line per test (a call cut
+#     short still says which passed), log to $OUT/gpu-tests.log
 #   bash bench/gpu_check.sh layer          # bench/moe_layer.py --profile [--vllm], table to $OUT/gpu-moe-layer.md
 #   bash bench/gpu_check.sh generate [ARGS] # bench/generate.py ARGS, table to $OUT/gpu-generate.md
 #   bash bench/gpu_check.sh tune-quack [ARGS]   # bench/tune_quack.py: QuACK tile configurations into kernels/configs/
@@ -42,7 +43,7 @@ git diff --quiet HEAD 2> /dev/null || echo "note: the working tree differs from 
   "pass --commit <hash> from the machine that sent it"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 case "$what" in
-  tests) python3 -m pytest -q -m gpu "${@:-tests}" -p no:cacheprovider --durations=10 2>&1 | tee "$out/gpu-tests$tag.log" ;;
+  tests) python3 -m pytest -v --tb=short -m gpu "${@:-tests}" -p no:cacheprovider --durations=10 2>&1 | tee "$out/gpu-tests$tag.log" ;;
   layer)  # vLLM's fused_moe as a peer when its source was fetched here and carried (.peers/)
     peer=$([ -f .peers/vllm/fused_moe.py ] && echo --vllm)
     python3 bench/moe_layer.py --profile $peer --out "$out/gpu-moe-layer$tag.md" 2>&1 | tee "$out/gpu-moe-layer$tag.log" ;;
