@@ -534,7 +534,8 @@ def test_second_projection_scattering_the_combine_matches_float32_reference(toke
     assert _rel(got, want) <= (1e-2 if out_dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("tokens,experts,top_k", [(4096, 8, 2), (2048, 128, 8), (1024, 256, 8), (333, 6, 6)])
+@pytest.mark.parametrize("tokens,experts,top_k", [(4096, 8, 2), (2048, 128, 8), (1024, 256, 8), (333, 6, 6),
+                                                  (16384, 128, 8)])  # 2048 rank blocks: a scan of two steps
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0, -1.5])
 def test_cuda_routing_matches_reference(tokens, experts, top_k, capacity_factor):
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
