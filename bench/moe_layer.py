@@ -169,7 +169,7 @@ def print_kernel_profile(label: str, fn, reps: int = 5) -> None:
             fn()
         torch.cuda.synchronize()
     print(f"profile {label}, {reps} calls:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
 
 
 def run_shape(name, d, f, e, k, tokens, copy_bw, lines, train, profile=False, vllm=False):
