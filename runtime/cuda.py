@@ -9,6 +9,7 @@ reads them.
 """
 import torch
 
+from moecompile.core.logits import float32_logits
 from moecompile.kernels import (
     grouped_mm,
     quack_gemm,
@@ -58,7 +59,8 @@ def dispatch(hidden, expert_ids, num_experts: int, copy_rows: bool = True):
 def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_factor: float, renormalize: bool,
                    scoring: str, correction_bias, n_group: int, topk_group: int, scaling_factor: float,
                    logits_fp32: bool, copy_rows: bool = True):
-    logits = reference.router_logits(hidden, router_weight, router_bias, logits_fp32)
+    logits = (float32_logits(hidden, router_weight, router_bias) if logits_fp32 else
+              reference.router_logits(hidden, router_weight, router_bias, logits_fp32))
     tokens, num_experts = logits.shape
     if (_routable(logits, n_group, topk_group) and triton_routing.route_dispatch_fits(tokens, num_experts)
             and choices.one_launch_route(tokens, num_experts)

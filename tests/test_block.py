@@ -386,3 +386,16 @@ def test_float32_router_logits_backward_matches_the_float32_linear(monkeypatch):
     torch.testing.assert_close(logits, want)
     for got, ref in ((x.grad, x32.grad), (w.grad, w32.grad)):  # relative error: bf16 rounding of grad and result
         assert (got.float() - ref).norm() / ref.norm() < 1e-2
+
+
+def test_float32_logits_upcast_off_cuda_and_add_the_bias():
+    """core/logits.py: float32 logits of bf16 operands; off CUDA (or for 3-D or float32 inputs) the upcast product,
+    with the bias added in float32. On CUDA, 16-bit 2-D operands take the tensor cores (tests/test_gpu.py)."""
+    from moecompile.core.logits import float32_logits, on_tensor_cores
+
+    gen = torch.Generator().manual_seed(3)
+    x, w, b = (torch.randn(*s, generator=gen).bfloat16() for s in ((5, 16), (4, 16), (4,)))
+    got = float32_logits(x, w, b)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, x.float() @ w.float().t() + b.float(), atol=1e-6, rtol=1e-6)
+    assert not on_tensor_cores(x, w) and not on_tensor_cores(x.float(), w.float())

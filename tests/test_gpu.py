@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moecompile import MoEBlock, MoEConfig
+from moecompile.core.logits import float32_logits
 from moecompile.ir import ops
 from moecompile.kernels import quack_gemm, triton_moe, triton_routing
 from moecompile.kernels import reference as R
@@ -561,9 +562,15 @@ def test_cuda_route_dispatch_matches_reference(tokens, experts, top_k, n_group, 
     grouped = n_group > 1
     bias = torch.randn(experts, generator=gen, device=DEVICE) * 0.1 if grouped else None
     # float32 logits: bf16 ones tie often among 128 experts, and ties may break either way in torch.topk
-    args = (top_k, capacity_factor, True, "sigmoid" if grouped else "softmax", bias, n_group, 4 if grouped else 1,
-            2.5 if grouped else 1.0, True)
-    got, want = C.route_dispatch(x, w, None, *args), R.route_dispatch(x, w, None, *args)
+    routing = (top_k, capacity_factor, True, "sigmoid" if grouped else "softmax", bias, n_group, 4 if grouped else 1,
+               2.5 if grouped else 1.0)
+    got = C.route_dispatch(x, w, None, *routing, True)
+    # the op's float32 logits come from one tensor-core GEMM (core/logits.py): the upcast product up to summation
+    # order; the routing and dispatch kernels then match the reference on those logits exactly
+    logits = float32_logits(x, w)
+    torch.testing.assert_close(logits, x.float() @ w.float().t(), atol=1e-4, rtol=1e-5)
+    weights, ids = R.route_grouped(logits, *routing)
+    want = (weights, ids, *R.dispatch(x, ids, experts))
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
     for name, g, r in zip(("ids", "rows", "order", "offsets"), got[1:], want[1:]):
         assert torch.equal(g, r), name

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moecompile.core.activations import expert_activation
+from moecompile.core.logits import float32_logits, on_tensor_cores
 from moecompile.ir import ops
 from moecompile.ir.config import MoEConfig
 from moecompile.ir.knobs import check_top_k
@@ -19,9 +20,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if torch.is_autocast_enabled(x.device.type):  # (checked first: no autocast region in graphs captured without it)
         with torch.autocast(x.device.type, enabled=False):
             return router_logits(x, weight)
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+    if on_tensor_cores(x, weight):
         if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-            return torch.mm(x, weight.t(), out_dtype=torch.float32)  # (no derivative for this overload)
+            return float32_logits(x, weight)
         if not torch.compiler.is_compiling():  # captured graphs keep the float32 linear fuse_route_dispatch matches
             return _Float32Logits.apply(x, weight)
     return F.linear(x.float(), weight.float())
@@ -34,7 +35,7 @@ class _Float32Logits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return float32_logits(x, weight)
 
     @staticmethod
     def backward(ctx, grad_logits):
