@@ -9,7 +9,7 @@ reads them.
 """
 import torch
 
-from moecompile.core.logits import float32_logits
+from moecompile.core.logits import float32_logits, float32_logits_backward
 from moecompile.kernels import (
     grouped_mm,
     quack_gemm,
@@ -71,6 +71,22 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
     weights, ids = route_grouped(logits, top_k, capacity_factor, renormalize, scoring, correction_bias, n_group,
                                  topk_group, scaling_factor)
     return (weights, ids, *dispatch(hidden, ids, num_experts, copy_rows))
+
+
+def route_dispatch_backward(grad_weights, grad_rows, hidden, router_weight, router_bias, expert_ids, order,
+                            top_k: int, renormalize: bool, scoring: str, correction_bias, n_group: int,
+                            topk_group: int, scaling_factor: float, logits_fp32: bool):
+    """As the reference's, with float32 logits and their gradient's GEMMs as the module's router trains them
+    (core/logits.py: on tensor cores for 16-bit operands), and the rows' gradient summed by a per-token gather."""
+    logits = (float32_logits(hidden, router_weight, router_bias) if logits_fp32 else
+              reference.router_logits(hidden, router_weight, router_bias, logits_fp32))
+    grad_logits = reference.route_grouped_backward(grad_weights, logits, expert_ids, top_k, renormalize, scoring,
+                                                   correction_bias, n_group, topk_group, scaling_factor)
+    grad_x, grad_weight = (float32_logits_backward(grad_logits, hidden, router_weight) if logits_fp32 else
+                           (grad_logits @ router_weight, grad_logits.t() @ hidden))
+    grad_hidden = dispatch_backward(grad_rows, order, hidden.shape[0], top_k) + grad_x.to(hidden.dtype)
+    grad_bias = grad_logits.sum(0).to(router_bias.dtype) if router_bias is not None else None
+    return grad_hidden, grad_weight.to(router_weight.dtype), grad_bias
 
 
 def _projection_kernels(x, w_in, w_out, activation: str, gated: bool, training: bool = False,
@@ -282,7 +298,8 @@ def dispatch_backward(grad_sorted, order, tokens: int, top_k: int):
     return triton_moe.gather_sum(grad_sorted, order, tokens, top_k)
 
 
-for _op in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_gathered", "experts_train",
+for _op in ("route", "route_grouped", "dispatch", "route_dispatch", "route_dispatch_backward", "experts",
+            "experts_gathered", "experts_train",
             "routed_experts", "decode_attention", "combine", "combine_backward", "dispatch_backward",
             "experts_combine_train", "experts_combine_backward", "experts_combine_backward_reads_y"):
     register_kernel(_op, "cuda", globals()[_op])

@@ -576,6 +576,24 @@ def test_cuda_route_dispatch_matches_reference(tokens, experts, top_k, n_group, 
         assert torch.equal(g, r), name
 
 
+@pytest.mark.parametrize("logits_fp32", [True, False])
+def test_cuda_route_dispatch_backward_matches_reference(logits_fp32):
+    """The compiled training graphs' route_dispatch backward on CUDA (float32 logits of bf16 operands and their
+    gradient's GEMMs on tensor cores, as the module's router trains) against the reference kernel's float32 math."""
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    hidden, weight = (torch.randn(*s, generator=gen, device=DEVICE, dtype=torch.bfloat16) for s in ((512, 256),
+                                                                                                   (64, 256)))
+    routing = (8, 0.0, True, "softmax", None, 1, 1, 1.0, logits_fp32)
+    weights, ids, rows, order, _ = C.route_dispatch(hidden, weight, None, *routing)
+    grad_w = torch.randn(weights.shape, generator=gen, device=DEVICE)
+    grad_rows = torch.randn(rows.shape, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+    args = (grad_w, grad_rows, hidden, weight, None, ids, order, 8, True, "softmax", None, 1, 1, 1.0, logits_fp32)
+    got, want = C.route_dispatch_backward(*args), R.route_dispatch_backward(*args)
+    assert got[2] is None and want[2] is None
+    for g, w in zip(got[:2], want[:2]):
+        assert g.dtype == w.dtype and _rel(g, w) <= 2e-2
+
+
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (3, 8, 2), (8, 8, 2), (40, 8, 2)])
 def test_cuda_decode_layer_matches_reference_kernels(tokens, experts, top_k, monkeypatch):
     """Decode-sized MoE layers (combine searching `order` up to SEARCH_ROWS assignments; 40 x 2 is past it) against

@@ -363,3 +363,24 @@ def test_folded_combine_backward_bookkeeping_matches_reference(monkeypatch, capa
             torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
     if capacity_factor:
         assert int(offsets[-1]) < rows.shape[0]  # the case has dropped slots
+
+
+@pytest.mark.parametrize("logits_fp32", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_route_dispatch_backward_matches_the_reference(logits_fp32, dtype):
+    """runtime/cuda's route_dispatch_backward (the rows' gradient by a per-token gather, the router's GEMMs as
+    core/logits.py runs them) against the reference kernel, off CUDA: the same math; on CUDA, 16-bit operands take
+    the tensor cores (tests/test_gpu.py)."""
+    from moecompile.runtime import cuda as C
+
+    gen = torch.Generator().manual_seed(8)
+    hidden, weight, bias = (torch.randn(*s, generator=gen).to(dtype) for s in ((11, 16), (6, 16), (6,)))
+    routing = (3, 1.0, True, "softmax", None, 1, 1, 1.0, logits_fp32)  # capacity 1.0: some slots dropped
+    weights, ids, rows, order, _ = R.route_dispatch(hidden, weight, bias, *routing)
+    assert (ids == 6).any()
+    grad_w, grad_rows = torch.randn(weights.shape, generator=gen), torch.randn(rows.shape, generator=gen).to(dtype)
+    args = (grad_w, grad_rows, hidden, weight, bias, ids, order, 3, True, "softmax", None, 1, 1, 1.0, logits_fp32)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in zip(C.route_dispatch_backward(*args), R.route_dispatch_backward(*args)):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)

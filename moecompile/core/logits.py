@@ -14,3 +14,13 @@ def float32_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         logits = torch.mm(x, weight.t(), out_dtype=torch.float32)
         return logits if bias is None else logits + bias.float()
     return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+def float32_logits_backward(grad_logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+    """(grad_x, grad_weight) of float32_logits' product. On tensor cores the logits' gradient is rounded to the
+    operands' dtype, as a router run in that dtype has it, and both GEMMs run in it (accumulating in float32);
+    otherwise both run in float32."""
+    if on_tensor_cores(x, weight):
+        grad = grad_logits.to(x.dtype)
+        return grad @ weight, grad.t() @ x
+    return (grad_logits @ weight.float()).to(x.dtype), (grad_logits.t() @ x.float()).to(weight.dtype)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moecompile.core.activations import expert_activation
-from moecompile.core.logits import float32_logits, on_tensor_cores
+from moecompile.core.logits import float32_logits, float32_logits_backward, on_tensor_cores
 from moecompile.ir import ops
 from moecompile.ir.config import MoEConfig
 from moecompile.ir.knobs import check_top_k
@@ -39,9 +39,7 @@ class _Float32Logits(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logits):
-        x, weight = ctx.saved_tensors
-        grad = grad_logits.to(x.dtype)
-        return grad @ weight, grad.t() @ x
+        return float32_logits_backward(grad_logits, *ctx.saved_tensors)
 
 
 class MoEExperts(nn.Module):
