@@ -47,12 +47,12 @@ def _best_groups(choice, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl
 
 
 @triton.jit
-def _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-           E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
-           RENORM: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr):
-    """(weights, ids) [tokens, K_PAD] of the tokens `tok`: scores (softmax or sigmoid), the top_k by score + bias
-    (lowest id first on ties) among the TOPK_GROUP best of N_GROUP expert groups, their scores (without the bias),
-    optionally renormalised to sum to 1, times scaling."""
+def _selection(logits_ptr, bias_ptr, tok, tmask, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+               E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
+               N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr):
+    """(scores [tokens, E_PAD], the selected ones' scores [tokens, K_PAD], their ids) of the tokens `tok`: scores
+    (softmax or sigmoid), the top_k by score + bias (lowest id first on ties) among the TOPK_GROUP best of N_GROUP
+    expert groups."""
     e = tl.arange(0, E_PAD)
     emask = e < num_experts
     x = tl.load(logits_ptr + tok[:, None].to(tl.int64) * num_experts + e[None, :],
@@ -70,7 +70,7 @@ def _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K: tl.con
     if N_GROUP > 1:
         choice = _best_groups(choice, BLOCK_T, E_PAD, N_GROUP, TOPK_GROUP)
     slot = tl.arange(0, K_PAD)
-    top_w = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    top_s = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     top_id = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(choice, axis=1)
@@ -78,8 +78,19 @@ def _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K: tl.con
         hit = e[None, :] == pick[:, None]
         w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
         choice = tl.where(hit, float("-inf"), choice)
-        top_w = tl.where(slot[None, :] == j, w[:, None], top_w)
+        top_s = tl.where(slot[None, :] == j, w[:, None], top_s)
         top_id = tl.where(slot[None, :] == j, pick[:, None], top_id)
+    return scores, top_s, top_id
+
+
+@triton.jit
+def _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+           E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
+           RENORM: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr):
+    """(weights, ids) [tokens, K_PAD] of the tokens `tok`: _selection's, the weights its scores (without the bias),
+    optionally renormalised to sum to 1, times scaling."""
+    _, top_w, top_id = _selection(logits_ptr, bias_ptr, tok, tmask, num_experts, TOP_K, K_PAD, E_PAD, BLOCK_T,
+                                  SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP)
     if RENORM:
         top_w = top_w / (tl.sum(top_w, axis=1)[:, None] + 1e-20)
     return top_w * scaling, top_id
@@ -101,6 +112,39 @@ def _topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, tokens, num_experts
     smask = tmask[:, None] & (slot[None, :] < TOP_K)
     tl.store(weights_ptr + out, top_w, mask=smask)
     tl.store(ids_ptr + out, top_id.to(tl.int64), mask=smask)
+
+
+@triton.jit
+def _topk_backward_kernel(logits_ptr, bias_ptr, ids_ptr, grad_w_ptr, grad_ptr, tokens, num_experts, scaling,
+                          TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                          SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                          N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr):
+    """The logits' gradient of _topk_kernel's weights for a block of tokens, from the weights' gradient: the
+    selection recomputed (as before any capacity drop), a dropped slot (id E) contributing nothing."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tok < tokens
+    scores, top_s, top_id = _selection(logits_ptr, bias_ptr, tok, tmask, num_experts, TOP_K, K_PAD, E_PAD, BLOCK_T,
+                                       SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP)
+    slot = tl.arange(0, K_PAD)
+    at = tok[:, None].to(tl.int64) * TOP_K + slot[None, :]
+    smask = tmask[:, None] & (slot[None, :] < TOP_K)
+    kept = tl.load(ids_ptr + at, mask=smask, other=num_experts) < num_experts
+    g = tl.where(kept, tl.load(grad_w_ptr + at, mask=smask, other=0.0).to(tl.float32), 0.0) * scaling
+    if RENORM:  # w_j = s_j / (sum of the selected s + eps)
+        denom = tl.sum(top_s, axis=1)[:, None] + 1e-20
+        g = (g - tl.sum(g * top_s, axis=1)[:, None] / denom) / denom
+    e = tl.arange(0, E_PAD)
+    grad_scores = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        g_j = tl.sum(tl.where(slot[None, :] == j, g, 0.0), axis=1)
+        id_j = tl.sum(tl.where(slot[None, :] == j, top_id, 0), axis=1)
+        grad_scores += tl.where(e[None, :] == id_j[:, None], g_j[:, None], 0.0)
+    if SCORING == 0:
+        grad = scores * (grad_scores - tl.sum(grad_scores * scores, axis=1)[:, None])
+    else:
+        grad = grad_scores * scores * (1.0 - scores)
+    tl.store(grad_ptr + tok[:, None].to(tl.int64) * num_experts + e[None, :], grad,
+             mask=tmask[:, None] & (e < num_experts)[None, :])
 
 
 def groups_supported(num_experts: int, n_group: int, topk_group: int) -> bool:
@@ -130,6 +174,27 @@ def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: st
         TOPK_GROUP=topk_group, PDL=pdl, launch_pdl=pdl,
         num_warps=max(1, min(4, block_t * e_pad // 256)))  # decode: one warp's shuffles for its k reductions
     return weights, ids
+
+
+def topk_backward(grad_weights: torch.Tensor, router_logits: torch.Tensor, expert_ids: torch.Tensor, top_k: int,
+                  renormalize: bool, scoring: str = "softmax", correction_bias: torch.Tensor | None = None,
+                  scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+    """The router logits' gradient [T, E] (their dtype) of topk's weights, as kernels/reference.py's
+    route_grouped_backward, in one launch."""
+    tokens, num_experts = router_logits.shape
+    grad = torch.empty_like(router_logits)
+    if tokens == 0:
+        return grad
+    e_pad = triton.next_power_of_2(num_experts)
+    block_t = max(1, min(64, 4096 // e_pad, triton.next_power_of_2(tokens)))
+    logits = router_logits.contiguous()
+    _topk_backward_kernel[(triton.cdiv(tokens, block_t),)](
+        logits, correction_bias if correction_bias is not None else logits, expert_ids.contiguous(),
+        grad_weights.contiguous(), grad, tokens, num_experts, float(scaling_factor), TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t, SCORING=SCORING_IDS[scoring],
+        HAS_BIAS=correction_bias is not None, RENORM=renormalize, N_GROUP=n_group, TOPK_GROUP=topk_group,
+        num_warps=max(1, min(4, block_t * e_pad // 256)))
+    return grad
 
 
 @triton.jit

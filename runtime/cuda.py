@@ -48,6 +48,21 @@ def route_grouped(router_logits, top_k: int, capacity_factor: float, renormalize
     return reference.drop_over_capacity(weights, ids, capacity_factor, router_logits.shape[-1])
 
 
+def route_backward(grad_weights, router_logits, expert_ids, top_k: int, renormalize: bool):
+    if not _routable(router_logits):
+        return reference.route_backward(grad_weights, router_logits, expert_ids, top_k, renormalize)
+    return triton_routing.topk_backward(grad_weights, router_logits, expert_ids, top_k, renormalize)
+
+
+def route_grouped_backward(grad_weights, router_logits, expert_ids, top_k: int, renormalize: bool, scoring: str,
+                           correction_bias, n_group: int, topk_group: int, scaling_factor: float):
+    if not _routable(router_logits, n_group, topk_group):
+        return reference.route_grouped_backward(grad_weights, router_logits, expert_ids, top_k, renormalize, scoring,
+                                                correction_bias, n_group, topk_group, scaling_factor)
+    return triton_routing.topk_backward(grad_weights, router_logits, expert_ids, top_k, renormalize, scoring,
+                                        correction_bias, scaling_factor, n_group, topk_group)
+
+
 def dispatch(hidden, expert_ids, num_experts: int, copy_rows: bool = True):
     """(rows, order, offsets); without copy_rows the rows are empty ([0, H]), for experts that gather them."""
     if not hidden.is_cuda:
@@ -80,8 +95,8 @@ def route_dispatch_backward(grad_weights, grad_rows, hidden, router_weight, rout
     (core/logits.py: on tensor cores for 16-bit operands), and the rows' gradient summed by a per-token gather."""
     logits = (float32_logits(hidden, router_weight, router_bias) if logits_fp32 else
               reference.router_logits(hidden, router_weight, router_bias, logits_fp32))
-    grad_logits = reference.route_grouped_backward(grad_weights, logits, expert_ids, top_k, renormalize, scoring,
-                                                   correction_bias, n_group, topk_group, scaling_factor)
+    grad_logits = route_grouped_backward(grad_weights, logits, expert_ids, top_k, renormalize, scoring,
+                                         correction_bias, n_group, topk_group, scaling_factor)
     grad_x, grad_weight = (float32_logits_backward(grad_logits, hidden, router_weight) if logits_fp32 else
                            (grad_logits @ router_weight, grad_logits.t() @ hidden))
     grad_hidden = dispatch_backward(grad_rows, order, hidden.shape[0], top_k) + grad_x.to(hidden.dtype)
@@ -298,7 +313,8 @@ def dispatch_backward(grad_sorted, order, tokens: int, top_k: int):
     return triton_moe.gather_sum(grad_sorted, order, tokens, top_k)
 
 
-for _op in ("route", "route_grouped", "dispatch", "route_dispatch", "route_dispatch_backward", "experts",
+for _op in ("route", "route_backward", "route_grouped", "route_grouped_backward", "dispatch", "route_dispatch",
+            "route_dispatch_backward", "experts",
             "experts_gathered", "experts_train",
             "routed_experts", "decode_attention", "combine", "combine_backward", "dispatch_backward",
             "experts_combine_train", "experts_combine_backward", "experts_combine_backward_reads_y"):

@@ -92,6 +92,12 @@ def cases():
                 "scaling": "fp32"},
                dict(TOP_K=8, K_PAD=8, E_PAD=256, BLOCK_T=16, SCORING=scoring, HAS_BIAS=bias, RENORM=True,
                     N_GROUP=groups[0], TOPK_GROUP=groups[1], PDL=pdl), dict(launch_pdl=pdl))
+    for scoring, bias, groups, renorm in ((0, False, (1, 1), True), (1, True, (8, 4), True), (0, False, (1, 1), False)):
+        yield (triton_routing._topk_backward_kernel, f"scoring {scoring}, groups {groups}, renormalise {renorm}",
+               {"logits_ptr": BF16, "bias_ptr": "*fp32", "ids_ptr": "*i64", "grad_w_ptr": "*fp32", "grad_ptr": BF16,
+                "scaling": "fp32"},
+               dict(TOP_K=8, K_PAD=8, E_PAD=256, BLOCK_T=16, SCORING=scoring, HAS_BIAS=bias, RENORM=renorm,
+                    N_GROUP=groups[0], TOPK_GROUP=groups[1]), {})
     yield (triton_routing._small_route_dispatch_kernel, "E=128, k=8, 16 tokens",
            {"logits_ptr": BF16, "bias_ptr": BF16, "x_ptr": BF16, "weights_ptr": "*fp32", "ids_ptr": "*i64",
             "order_ptr": "*i64", "rows_ptr": BF16, "offsets_ptr": "*i32", "scaling": "fp32"},

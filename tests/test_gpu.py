@@ -576,6 +576,25 @@ def test_cuda_route_dispatch_matches_reference(tokens, experts, top_k, n_group, 
         assert torch.equal(g, r), name
 
 
+@pytest.mark.parametrize("tokens,experts,top_k,n_group,capacity_factor", [(4096, 128, 8, 1, 0.0), (333, 8, 2, 1, 1.0),
+                                                                         (1024, 256, 8, 8, 0.0)])
+def test_cuda_routing_backward_matches_reference(tokens, experts, top_k, n_group, capacity_factor):
+    """The logits' gradient of the routing weights (one Triton launch) against the reference, float32 logits;
+    DeepSeek-V3's grouped sigmoid routing with 8 groups."""
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    logits = torch.randn(tokens, experts, generator=gen, device=DEVICE)
+    if n_group == 1:
+        _, ids = C.route(logits, top_k, capacity_factor, True)
+        grad_w = torch.randn(ids.shape, generator=gen, device=DEVICE)
+        got, want = (k.route_backward(grad_w, logits, ids, top_k, True) for k in (C, R))
+    else:
+        routing = (True, "sigmoid", torch.randn(experts, generator=gen, device=DEVICE) * 0.1, n_group, 4, 2.5)
+        _, ids = C.route_grouped(logits, top_k, capacity_factor, *routing)
+        grad_w = torch.randn(ids.shape, generator=gen, device=DEVICE)
+        got, want = (k.route_grouped_backward(grad_w, logits, ids, top_k, *routing) for k in (C, R))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
 @pytest.mark.parametrize("logits_fp32", [True, False])
 def test_cuda_route_dispatch_backward_matches_reference(logits_fp32):
     """The compiled training graphs' route_dispatch backward on CUDA (float32 logits of bf16 operands and their

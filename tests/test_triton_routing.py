@@ -167,3 +167,38 @@ def test_group_starts_puts_a_zero_before_the_ends(experts, dtype):
     starts = TR.group_starts(offsets)
     assert starts.dtype == torch.int32
     assert torch.equal(starts, torch.nn.functional.pad(offsets.to(torch.int32), (1, 0)))
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,capacity", [(37, 8, 2, 0.0), (20, 128, 8, 0.0), (9, 6, 6, 0.0),
+                                                           (30, 4, 2, 0.5), (1, 16, 4, 0.0)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_topk_backward_matches_route_backward(tokens, experts, top_k, capacity, renormalize):
+    """The logits' gradient of the softmax top-k weights in one launch against the reference (k = E, drops)."""
+    gen = torch.Generator().manual_seed(tokens * experts)
+    logits = torch.randn(tokens, experts, generator=gen)
+    weights, ids = R.route(logits, top_k, capacity, renormalize)
+    if capacity:
+        assert (ids == experts).any()
+    grad_w = torch.randn(weights.shape, generator=gen)
+    got = TR.topk_backward(grad_w, logits, ids, top_k, renormalize)
+    torch.testing.assert_close(got, R.route_backward(grad_w, logits, ids, top_k, renormalize), atol=1e-6, rtol=1e-5)
+    half = logits.bfloat16()  # the gradient in the logits' dtype (bf16 logits tie often: against the float32 math)
+    got = TR.topk_backward(grad_w, half, ids, top_k, renormalize)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), TR.topk_backward(grad_w, half.float(), ids, top_k, renormalize),
+                               atol=1e-6, rtol=1e-2)  # a bf16 step
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,n_group,topk_group,scoring", [
+    (19, 256, 8, 8, 4, "sigmoid"), (5, 16, 3, 4, 2, "softmax"), (11, 12, 3, 1, 1, "sigmoid")])
+def test_topk_backward_matches_route_grouped_backward(tokens, experts, top_k, n_group, topk_group, scoring):
+    """DeepSeek-V3's routing (sigmoid, correction bias, groups, scaling) and the grouped softmax: the logits' gradient
+    against the reference, the bias getting none."""
+    gen = torch.Generator().manual_seed(tokens + experts)
+    logits, bias = torch.randn(tokens, experts, generator=gen), torch.randn(experts, generator=gen) * 0.1
+    args = (True, scoring, bias, n_group, topk_group, 2.5)
+    weights, ids = R.route_grouped(logits, top_k, 0.0, *args)
+    grad_w = torch.randn(weights.shape, generator=gen)
+    got = TR.topk_backward(grad_w, logits, ids, top_k, True, scoring, bias, 2.5, n_group, topk_group)
+    want = R.route_grouped_backward(grad_w, logits, ids, top_k, *args)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
