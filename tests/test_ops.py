@@ -552,13 +552,12 @@ def test_cuda_kernels_load_on_first_use_and_reference_can_be_forced(monkeypatch)
     from moecompile.runtime import cuda as C
     from moecompile.runtime import fp8
 
-    for name in ("route", "route_grouped", "dispatch", "route_dispatch", "experts", "experts_gathered",
-                 "experts_backward", "combine", "combine_backward", "dispatch_backward", "decode_attention"):
+    for name in ("route", "route_backward", "route_grouped", "route_grouped_backward", "dispatch", "route_dispatch",
+                 "route_dispatch_backward", "experts", "experts_gathered", "experts_backward", "combine",
+                 "combine_backward", "dispatch_backward", "decode_attention"):
         assert kernel_for(name, "cuda") is getattr(C, name)
     for name in ("quantize_fp8", "experts_fp8", "routed_experts_fp8", "linear_fp8"):
         assert kernel_for(name, "cuda") is getattr(fp8, name)
-    for name in ("route_backward", "route_grouped_backward"):  # sync-free reference kernels serve CUDA too
-        assert kernel_for(name, "cuda") is getattr(R, name)
     monkeypatch.setenv("MOECOMPILE_KERNELS", "reference")
     assert kernel_for("experts", "cuda") is R.experts
 
