@@ -183,7 +183,9 @@ class MoEBlock(nn.Module):
         probs = torch.softmax(logits, dim=-1)
         if chosen is None:
             chosen = torch.topk(logits, top_k, dim=-1).indices
-        fraction = F.one_hot(chosen, c.num_experts).float().sum((0, 1)) / max(chosen.numel(), 1)
+        flat = chosen.reshape(-1)  # counted by scatter_add: a one-hot of every choice would be [T * k, E]
+        counts = probs.new_zeros(c.num_experts).scatter_add_(0, flat, probs.new_ones(flat.shape))
+        fraction = counts / max(flat.numel(), 1)
         balance = c.num_experts * (fraction * probs.mean(0)).sum()
         loss = c.aux_loss_coef * balance
         if c.z_loss_coef > 0:
