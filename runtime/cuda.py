@@ -71,11 +71,18 @@ def dispatch(hidden, expert_ids, num_experts: int, copy_rows: bool = True):
     return rows if copy_rows else hidden.new_empty(0, hidden.shape[1]), order, offsets
 
 
+def _router_logits(hidden, router_weight, router_bias, logits_fp32: bool):
+    """The reference's, float32 ones as the module's router computes them (core/logits.py: on tensor cores for
+    16-bit operands)."""
+    if logits_fp32:
+        return float32_logits(hidden, router_weight, router_bias)
+    return reference.router_logits(hidden, router_weight, router_bias, logits_fp32)
+
+
 def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_factor: float, renormalize: bool,
                    scoring: str, correction_bias, n_group: int, topk_group: int, scaling_factor: float,
                    logits_fp32: bool, copy_rows: bool = True):
-    logits = (float32_logits(hidden, router_weight, router_bias) if logits_fp32 else
-              reference.router_logits(hidden, router_weight, router_bias, logits_fp32))
+    logits = _router_logits(hidden, router_weight, router_bias, logits_fp32)
     tokens, num_experts = logits.shape
     if (_routable(logits, n_group, topk_group) and triton_routing.route_dispatch_fits(tokens, num_experts)
             and choices.one_launch_route(tokens, num_experts)
@@ -91,10 +98,9 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
 def route_dispatch_backward(grad_weights, grad_rows, hidden, router_weight, router_bias, expert_ids, order,
                             top_k: int, renormalize: bool, scoring: str, correction_bias, n_group: int,
                             topk_group: int, scaling_factor: float, logits_fp32: bool):
-    """As the reference's, with float32 logits and their gradient's GEMMs as the module's router trains them
-    (core/logits.py: on tensor cores for 16-bit operands), and the rows' gradient summed by a per-token gather."""
-    logits = (float32_logits(hidden, router_weight, router_bias) if logits_fp32 else
-              reference.router_logits(hidden, router_weight, router_bias, logits_fp32))
+    """As the reference's, with the logits of _router_logits and their gradient's GEMMs as the module's router
+    trains them, and the rows' gradient summed by a per-token gather."""
+    logits = _router_logits(hidden, router_weight, router_bias, logits_fp32)
     grad_logits = route_grouped_backward(grad_weights, logits, expert_ids, top_k, renormalize, scoring,
                                          correction_bias, n_group, topk_group, scaling_factor)
     grad_x, grad_weight = (float32_logits_backward(grad_logits, hidden, router_weight) if logits_fp32 else
