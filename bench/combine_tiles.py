@@ -21,7 +21,10 @@ from moecompile.runtime import cuda as runtime
 
 SHAPES = {"qwen3-moe": (2048, 128, 8, 8192), "sonic-7b": (1536, 128, 8, 24576), "sonic-30b": (4096, 128, 8, 32768),
           "deepseek-v3": (7168, 256, 8, 4096), "mixtral": (4096, 8, 2, 4096)}
-TILES = list(itertools.product((8, 16, 32), (128, 256, 512, 1024), (4, 8)))  # BLOCK_T, BLOCK_H, warps
+# BLOCK_T, BLOCK_H, warps; few tokens by wide columns too (a token per program reading its k whole rows, as
+# SonicMoE's gather-sum does)
+TILES = (list(itertools.product((8, 16, 32), (128, 256, 512, 1024), (4, 8)))
+         + list(itertools.product((1, 2, 4), (512, 1024, 2048), (4, 8))))
 
 
 def run(name, d, e, k, tokens, lines):
