@@ -26,13 +26,13 @@ import time
 import torch
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # hidden, width, experts, k
-TINY_SHAPES = {"tiny": (128, 128, 4, 2)}
+TINY_SHAPES = {"tiny": (64, 32, 4, 2)}
 DRAWS = 16  # token routings per timed pass, each to other experts
 # the second projection summing each token's k terms (one program per token and column tile: k times fewer
 # programs than per assignment, so narrower column tiles)
 SUMMED_OUT_TILES = [{"BLOCK_N": n, "BLOCK_K": kk, "num_warps": w, "num_stages": st}
                     for n, kk, w, st in ((4, 256, 2, 4), (8, 256, 4, 4), (16, 256, 4, 4), (8, 512, 4, 3))]
-TINY_DRAWS = 2
+TINY_DRAWS = 1
 
 
 def candidates(fp8: bool, tiny: bool) -> list[dict]:

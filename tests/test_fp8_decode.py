@@ -43,7 +43,7 @@ def _dequantised(q_in, s_in, b_in, q_out, s_out, b_out):
 
 
 CASES = {**DIRECT_CASES,  # name: (tokens, experts, top_k, hidden, width, capacity factor, ids override)
-         "several scale blocks (up rows across a block edge)": (2, 4, 2, 200, 136, -1.0, None)}
+         "several scale blocks (up rows across a block edge)": (1, 4, 2, 200, 136, -1.0, None)}
 
 
 WIDE_TILES = {"in": {"BLOCK_N": 16, "BLOCK_K": 256}, "out": {"BLOCK_N": 8, "BLOCK_K": 512}}  # several blocks a step
