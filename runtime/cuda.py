@@ -178,7 +178,7 @@ def gathered_first_projection(hidden, order, offsets, top_k: int, w_in, b_in, w_
     first, second = _projection_kernels(hidden, w_in, w_out, activation, gated, rows=order.shape[0])
     if first == "quack_gathered":
         a = quack_gemm.first_projection(hidden.contiguous(), triton_routing.group_starts(offsets), w_in, b_in,
-                                        activation, gated, gather_rows=_token_of(order, top_k),
+                                        activation, gated, gather_rows=token_of(order, top_k),
                                         config=choices.quack_config("first", w_in.shape[2], w_in.shape[1],
                                                                     gathered=True))
         return a, second
@@ -186,7 +186,7 @@ def gathered_first_projection(hidden, order, offsets, top_k: int, w_in, b_in, w_
                              first), second
 
 
-def _token_of(order, top_k: int):
+def token_of(order, top_k: int):
     """Each sorted row's token (int32, as QuACK gathers) in one launch: the division casts as it stores."""
     return torch.floor_divide(order, top_k, out=order.new_empty(order.shape, dtype=torch.int32))
 
@@ -273,7 +273,7 @@ def experts_combine_backward(grad_out, x, offsets, order, weights, w_in, b_in, w
             grad_rows, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, h=h)
         return grad_x, grad_weights, grad_w_in, grad_b_in, grad_w_out, grad_b_out
     top_k = weights.shape[1]
-    tokens = _token_of(order, top_k)
+    tokens = token_of(order, top_k)
     scores = weights.reshape(-1).index_select(0, order).float()
     configs = choices.quack_backward_configs(x.shape[1], w_out.shape[2], w_in.shape[1], combined=True)
     grad_x, grad_w_in, grad_w_out, grad_h, grad_scores = quack_gemm.combined_backward(
