@@ -28,9 +28,16 @@ def capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) 
     return max(1, math.ceil(abs(capacity_factor) * tokens * top_k / num_experts))
 
 
+def _top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim, the lowest index first among equal values, as the Triton routing
+    kernels pick (torch.topk leaves ties unspecified; 16-bit logits tie often)."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k].contiguous()
+
+
 def _topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    ids = _top_indices(probs, top_k)
+    weights = probs.gather(-1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
@@ -116,9 +123,9 @@ def _select(scores, top_k: int, correction_bias, n_group: int, topk_group: int):
         size = num_experts // n_group
         group_scores = choice.view(tokens, n_group, size).topk(min(2, size), dim=-1).values.sum(-1)
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        keep.scatter_(1, _top_indices(group_scores, topk_group), True)
         choice = choice.masked_fill(~keep.repeat_interleave(size, dim=1), float("-inf"))
-    return choice.topk(top_k, dim=-1).indices
+    return _top_indices(choice, top_k)
 
 
 def route_grouped(router_logits: torch.Tensor, top_k: int, capacity_factor: float, renormalize: bool,

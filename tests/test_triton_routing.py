@@ -47,6 +47,21 @@ def test_groups_supported_needs_equal_power_of_2_groups():
     assert not TR.groups_supported(96, 8, 4) and not TR.groups_supported(256, 8, 9)
 
 
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
+def test_ties_go_to_the_lowest_expert_in_kernels_and_reference(n_group, topk_group):
+    """16-bit logits tie often: the kernels and the reference pick the lowest expert (and group) among equal scores
+    alike, so that a backward recomputing the selection (either one's) agrees with the forward that made the ids."""
+    logits = torch.randint(0, 3, (40, 16), generator=torch.Generator().manual_seed(3)).bfloat16()
+    grad_w = torch.randn(40, 4, generator=torch.Generator().manual_seed(4))
+    weights, ids = TR.topk(logits, 4, True, "softmax", None, 1.0, n_group, topk_group)
+    want_w, want_ids = R.route_grouped(logits, 4, 0.0, True, "softmax", None, n_group, topk_group, 1.0)
+    assert torch.equal(ids, want_ids)
+    assert (ids.diff(dim=1)[weights.diff(dim=1) == 0] > 0).all()  # equal weights: ascending experts
+    got = TR.topk_backward(grad_w, logits, ids, 4, True, "softmax", None, 1.0, n_group, topk_group)
+    want = R.route_grouped_backward(grad_w, logits, ids, 4, True, "softmax", None, n_group, topk_group, 1.0)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=1e-2)  # a bf16 step
+
+
 def test_topk_all_tokens_to_one_expert():
     logits = torch.randn(10, 5, generator=torch.Generator().manual_seed(5))
     logits[:, 3] += 100.0
