@@ -10,6 +10,7 @@ ACTIVATION_IDS = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
 # Up to this many assignments (decode) combine finds each one's sorted row by a search of `order` in its own
 # kernel instead of building the inverse permutation first (an arange and a scatter launch).
 SEARCH_ROWS = 64
+COMBINE_COLUMNS = 2048  # the combine's widest column tile (one program per token and tile)
 # Whether this Triton has the grid dependency controls of programmatic dependent launch (PDL, sm_90+).
 HAS_GRID_DEPENDENCY = hasattr(tl.extra.cuda, "gdc_wait")
 
@@ -206,10 +207,13 @@ def _combine_kernel(y_ptr, row_of_ptr, order_ptr, w_ptr, out_ptr, tokens, n, hid
 
 
 def combine(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
-            block_t: int = 16, block_h: int = 256, num_warps: int = 4) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * expert_out[row of (t, j)]: a gather per token, no atomics, deterministic."""
+            block_t: int = 1, block_h: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * expert_out[row of (t, j)]: a gather per token, no atomics, deterministic. The
+    default tile, a token's whole row up to COMBINE_COLUMNS per program, read fastest at every shape timed
+    (bench/results/gpu-combine-tiles.md)."""
     tokens, top_k = weights.shape
     hidden = expert_out.shape[1]
+    block_h = block_h or min(COMBINE_COLUMNS, triton.next_power_of_2(hidden))
     out = expert_out.new_empty(tokens, hidden)
     if tokens == 0:
         return out

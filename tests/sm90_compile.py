@@ -58,7 +58,7 @@ def cases():
     combine = {"y_ptr": BF16, "row_of_ptr": "*i64", "order_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": BF16}
     for search in (False, True):
         yield (triton_moe._combine_kernel, f"k=8, search {search}", combine,
-               dict(TOP_K=8, BLOCK_T=16, BLOCK_H=256, SEARCH=search, CHUNK=64), {})
+               dict(TOP_K=8, BLOCK_T=1, BLOCK_H=2048, SEARCH=search, CHUNK=64), {})
     yield (triton_moe._combine_backward_kernel, "k=2",
            {"grad_out_ptr": BF16, "y_ptr": BF16, "row_of_ptr": "*i64", "w_ptr": "*fp32", "grad_rows_ptr": BF16,
             "grad_w_ptr": "*fp32"}, dict(hidden=4096, TOP_K=2, BLOCK_T=16, BLOCK_H=256), {})
@@ -138,11 +138,6 @@ def cases():
                {**types, "a_ptr": BF16, "weights_ptr": "*fp32", "out_ptr": "*fp32"},  # float32 terms
                dict(hidden=2048, width=768, HAS_BIAS=bias, SCALED=scaled, BLOCK_N=8, BLOCK_K=block_k, PDL=pdl),
                dict(num_warps=2, num_stages=4, launch_pdl=pdl))
-    for bias, types, block_k, label in ((True, direct, 256, "bias"), (False, fp8_direct, 256, "FP8, K step 256")):
-        yield (triton_direct._direct_ffn_out_sum_kernel, label,
-               {**types, "a_ptr": BF16, "weights_ptr": "*fp32", "out_ptr": "*fp32"},
-               dict(hidden=2048, width=768, HAS_BIAS=bias, SCALED=types is fp8_direct, BLOCK_N=16, BLOCK_K=block_k,
-                    PDL=False), dict(num_warps=4, num_stages=4))
     linear = {"x_ptr": BF16, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": BF16, "out_ptr": BF16}
     for block_m, block_k, k_split, label in ((1, 128, 2048, "one row (matrix-vector)"),
                                              (1, 128, 256, "one row, K split in 8"),
