@@ -8,9 +8,7 @@ CPU smoke test:  python bench/direct_experts.py --tiny     (Triton's interpreter
 Each configuration is one of the autotuner's candidates for that weight type (kernels/triton_direct.py for bf16,
 kernels/triton_fp8_decode.py for FP8), launched with its tiles, warps and stages for both projections; "autotuned"
 is the autotuner's pick, "runtime table" the tiles the runtime launches (kernels/configs/direct_experts.json, chosen
-from this table). "summed over k": the runtime table's first projection, then a second projection that sums each
-token's k terms itself (triton_direct's sum_k, no runtime path yet: the graph sums the terms in a small reduction of
-its own), at the tiles named. Every call routes the token to other experts (distinct, drawn at random), so the weights
+from this table). Every call routes the token to other experts (distinct, drawn at random), so the weights
 come from memory, not L2. Kernel times are the profiler's device time per call (eager launches: the launch gaps are
 not counted); GB/s counts the hit experts' weights (and scales) once. err: the output against the float32 reference
 on the same weights.
@@ -28,10 +26,6 @@ import torch
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # hidden, width, experts, k
 TINY_SHAPES = {"tiny": (64, 32, 4, 2)}
 DRAWS = 16  # token routings per timed pass, each to other experts
-# the second projection summing each token's k terms (one program per token and column tile: k times fewer
-# programs than per assignment, so narrower column tiles)
-SUMMED_OUT_TILES = [{"BLOCK_N": n, "BLOCK_K": kk, "num_warps": w, "num_stages": st}
-                    for n, kk, w, st in ((4, 256, 2, 4), (8, 256, 4, 4), (16, 256, 4, 4), (8, 512, 4, 3))]
 TINY_DRAWS = 1
 
 
@@ -94,40 +88,33 @@ def run_shape(name: str, hidden: int, width: int, experts: int, k: int, device: 
     bytes_per = {"in": {"bf16": 2 * 2 * width * hidden, "fp8": 2 * width * hidden + 4 * fp8_in[1][0].numel()},
                  "out": {"bf16": 2 * hidden * width, "fp8": hidden * width + 4 * fp8_out[1][0].numel()}}  # per expert
     runs = {
-        "bf16": (lambda c, i, sum_k=False: triton_direct.routed_experts(
-                     x, weights[i:i + 1], ids[i:i + 1], w_in, None, w_out, None, "silu", True, c, sum_k=sum_k),
+        "bf16": (lambda c, i: triton_direct.routed_experts(x, weights[i:i + 1], ids[i:i + 1], w_in, None, w_out, None,
+                                                            "silu", True, c),
                  lambda i: reference.routed_experts(x.float(), weights[i:i + 1], ids[i:i + 1], w_in.float(), None,
                                                     w_out.float(), None, "silu", True)),
-        "fp8": (lambda c, i, sum_k=False: triton_fp8_decode.routed_experts_fp8(
-                    x, weights[i:i + 1], ids[i:i + 1], *fp8_in, None, *fp8_out, None, "silu", True, c, sum_k=sum_k),
+        "fp8": (lambda c, i: triton_fp8_decode.routed_experts_fp8(x, weights[i:i + 1], ids[i:i + 1], *fp8_in, None,
+                                                                  *fp8_out, None, "silu", True, c),
                 lambda i: reference.routed_experts_fp8(x, weights[i:i + 1], ids[i:i + 1], *fp8_in, None, *fp8_out,
                                                        None, "silu", True)),
     }
     table = choices.direct_expert_tiles(hidden, width)  # what the runtime launches
-    summed = [{"in": table["in"], "out": out} for out in (SUMMED_OUT_TILES[:1] if tiny else SUMMED_OUT_TILES)]
     lines = []
     for kind, (ours, want) in runs.items():
         ref = want(0)
-        for config in [None, "table", *summed, *candidates(kind == "fp8", tiny)]:
+        for config in [None, "table", *candidates(kind == "fp8", tiny)]:
             if config is None and device != "cuda":
                 continue  # the interpreter cannot autotune
-            sum_k = config in summed
-            tiles = table if config == "table" else config if sum_k else None if config is None else \
-                {"in": config, "out": config}
-            got = ours(tiles, 0, sum_k)
-            expected = ref.sum(1) if sum_k else ref
-            err = ((got.float() - expected).norm() / expected.norm()).item()
-            times = kernel_ms([lambda i=i: ours(tiles, i, sum_k) for i in range(draws)], device)
+            tiles = table if config == "table" else None if config is None else {"in": config, "out": config}
+            got = ours(tiles, 0)
+            err = ((got.float() - ref).norm() / ref.norm()).item()
+            times = kernel_ms([lambda i=i: ours(tiles, i) for i in range(draws)], device)
             cells = []
-            second = "_direct_ffn_out_sum_kernel" if sum_k else "_direct_ffn_out_kernel"
-            for projection, kernel in (("in", "_direct_ffn_in_kernel"), ("out", second)):
+            for projection, kernel in (("in", "_direct_ffn_in_kernel"), ("out", "_direct_ffn_out_kernel")):
                 ms = sum(t for key, t in times.items() if kernel in key)
                 cells.append(moe_layer.rate(ms, k * bytes_per[projection][kind], bandwidth) if ms else "—")
             if device != "cuda":
                 cells[0] = f"{times['all']:.3f} (both)"
-            if sum_k:
-                config_text = f"runtime table / summed over k at {label(tiles['out'])}"
-            elif config == "table":
+            if config == "table":
                 config_text = f"runtime table ({label(table['in'])} / {label(table['out'])})"
             elif config is None:
                 chosen = (triton_fp8_decode._fp8_direct_in_tuned, triton_fp8_decode._fp8_direct_out_tuned) \
@@ -167,8 +154,7 @@ def main(argv=None) -> int:
         f"torch {torch.__version__}. Device ms per call (profiler), {DRAWS} routings each to other experts; the "
         "percentages are of the copy bandwidth. Configuration: BLOCK_N x BLOCK_K, warps, stages, the same for both "
         "projections; autotuned: the autotuner's pick (first / second); runtime table: the tiles the runtime launches "
-        "(kernels/configs/direct_experts.json); summed over k: the second projection summing each token's k terms "
-        "itself (triton_direct's sum_k), at the tiles named.", "",
+        "(kernels/configs/direct_experts.json).", "",
         "| shape | weights | configuration | first projection ms | second projection ms | err |",
         "|---|---|---|---|---|---|",
     ]

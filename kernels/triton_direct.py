@@ -141,41 +141,6 @@ def _direct_ffn_out_kernel(a_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, 
     tl.store(out_ptr + a.to(tl.int64) * hidden + cols, tl.where(kept, weight * y, 0.0), mask=cmask)
 
 
-@triton.jit
-def _direct_ffn_out_sum_kernel(a_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, top_k, num_experts,
-                               hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr,
-                               SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               PDL: tl.constexpr):
-    """out[t, cols] = sum_j weights[t, j] * (act[t*k + j] W_out[ids[t, j]][cols]^T + b_out[ids[t, j]][cols]), float32,
-    one program per (token t, column tile): the k experts' tiles streamed in one loop of k x K steps, summed in a
-    fixed order (deterministic). The form of _direct_ffn_out_kernel that leaves no sum over k to the graph."""
-    dependent_launch(PDL)
-    tiles_n: tl.constexpr = (hidden + BLOCK_N - 1) // BLOCK_N
-    k_steps: tl.constexpr = (width + BLOCK_K - 1) // BLOCK_K
-    k_blocks: tl.constexpr = (width + 127) // 128
-    t = tl.program_id(0) // tiles_n
-    cols = (tl.program_id(0) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < hidden
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for step in range(0, top_k * k_steps):
-        a = t * top_k + step // k_steps
-        k0 = (step % k_steps) * BLOCK_K
-        expert = tl.load(ids_ptr + a)
-        weight = tl.load(weights_ptr + a).to(tl.float32)
-        kept = (expert >= 0) & (expert < num_experts) & (weight != 0.0)
-        kept_cols = cols < tl.where(kept, hidden, 0)
-        w_base = w_ptr + expert.to(tl.int64) * hidden * width
-        s_base = s_ptr + expert.to(tl.int64) * ((hidden + 127) // 128) * k_blocks
-        acc += weight * _second_tile(a_ptr, w_base, s_base, a, cols, cmask, kept_cols, tl.where(kept, width, 0), k0,
-                                     width, k_blocks, SCALED, BLOCK_N, BLOCK_K)
-        if HAS_BIAS:
-            if k0 == 0:
-                y += tl.load(bias_ptr + expert.to(tl.int64) * hidden + cols, mask=kept_cols, other=0.0
-                             ).to(tl.float32) * weight
-    tl.store(out_ptr + t.to(tl.int64) * hidden + cols, y + tl.sum(acc, axis=1), mask=cmask)
-
-
 _direct_ffn_in_tuned = triton.autotune(configs=_configs(), key=["hidden", "width", "GATED", "assignments"])(
     _direct_ffn_in_kernel)
 _direct_ffn_out_tuned = triton.autotune(configs=_configs(), key=["hidden", "width", "assignments"])(
@@ -185,22 +150,18 @@ KERNELS = (_direct_ffn_in_tuned, _direct_ffn_out_tuned)  # autotuned: first proj
 
 def launch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_in: torch.Tensor, b_in, w_out: torch.Tensor,
            b_out, activation: str, gated: bool, config: dict | None, scales: tuple | None = None,
-           tuned: tuple = KERNELS, pdl: bool = False, sum_k: bool = False) -> torch.Tensor:
+           tuned: tuple = KERNELS, pdl: bool = False) -> torch.Tensor:
     """Both projections' launches; the [tokens, k, hidden] float32 terms. scales: (w_in's, w_out's) scale_inv of
     FP8 weights, None for weights in x's dtype; tuned: the autotuned kernels (their configs) used without config;
-    pdl: both launched as programmatic dependents (sm_90+, Triton with HAS_GRID_DEPENDENCY); sum_k: the second
-    projection sums each token's k terms itself (_direct_ffn_out_sum_kernel, at config's tiles): [tokens, hidden].
-    No runtime path takes sum_k yet: bench/direct_experts.py times it against the terms and the graph's sum."""
+    pdl: both launched as programmatic dependents (sm_90+, Triton with HAS_GRID_DEPENDENCY)."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     num_experts, in_width, _ = w_in.shape
     width = in_width // 2 if gated else in_width
     assignments = tokens * top_k
-    if sum_k and config is None:
-        raise ValueError("sum_k needs the tiles (config): its kernel is not autotuned")
-    terms = x.new_empty((tokens, hidden) if sum_k else (tokens, top_k, hidden), dtype=torch.float32)
+    terms = x.new_empty((tokens, top_k, hidden), dtype=torch.float32)
     if assignments == 0:
-        return terms.zero_() if sum_k else terms
+        return terms
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     w_in, w_out = w_in.contiguous(), w_out.contiguous()
     s_in, s_out = (x, x) if scales is None else (s.float().contiguous() for s in scales)
@@ -218,21 +179,15 @@ def launch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_in: torc
     else:
         _direct_ffn_in_kernel[(assignments * triton.cdiv(width, config["in"]["BLOCK_N"]),)](
             *in_args, **first, **config["in"])
-        if sum_k:
-            _direct_ffn_out_sum_kernel[(tokens * triton.cdiv(hidden, config["out"]["BLOCK_N"]),)](
-                act, ids, weights, w_out, s_out, b_out if b_out is not None else x, terms, top_k, num_experts,
-                **second, **config["out"])
-        else:
-            _direct_ffn_out_kernel[(assignments * triton.cdiv(hidden, config["out"]["BLOCK_N"]),)](
-                *out_args, **second, **config["out"])
+        _direct_ffn_out_kernel[(assignments * triton.cdiv(hidden, config["out"]["BLOCK_N"]),)](
+            *out_args, **second, **config["out"])
     return terms
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_in: torch.Tensor, b_in, w_out, b_out,
-                   activation: str, gated: bool, config: dict | None = None, pdl: bool = False,
-                   sum_k: bool = False) -> torch.Tensor:
+                   activation: str, gated: bool, config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     """[tokens, k, hidden] float32: each assignment's expert FFN output times its routing weight. x [T, H],
     weights / ids [T, k], w_in [E, (2)F, H], w_out [E, H, F]. `config` fixes both kernels' tiles ({"in":
     {BLOCK_N, BLOCK_K[, num_warps, num_stages]}, "out": {...}}: the runtime's table, tests); otherwise each is
-    autotuned per shape. pdl, sum_k: as launch's."""
-    return launch(x, weights, ids, w_in, b_in, w_out, b_out, activation, gated, config, pdl=pdl, sum_k=sum_k)
+    autotuned per shape. pdl: as launch's."""
+    return launch(x, weights, ids, w_in, b_in, w_out, b_out, activation, gated, config, pdl=pdl)

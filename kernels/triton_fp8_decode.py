@@ -56,17 +56,16 @@ def _check_config(config: dict | None, dot: bool = False) -> None:
 
 def routed_experts_fp8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_in: torch.Tensor,
                        w_in_scale_inv: torch.Tensor, b_in, w_out: torch.Tensor, w_out_scale_inv: torch.Tensor, b_out,
-                       activation: str, gated: bool, config: dict | None = None, pdl: bool = False,
-                       sum_k: bool = False) -> torch.Tensor:
+                       activation: str, gated: bool, config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     """[tokens, k, hidden] float32: each assignment's expert FFN output times its routing weight, the expert
     weights float8_e4m3fn w_in [E, (2)F, H], w_out [E, H, F] with scale_inv [E, ceil(rows/128), ceil(cols/128)].
     x [T, H] in DTYPES, weights / ids [T, k]. `config` fixes both kernels' tiles ({"in": {BLOCK_N, BLOCK_K, ...},
-    "out": {...}}, BLOCK_K dividing 128 or a multiple of it); otherwise each is autotuned per shape. pdl, sum_k: as
+    "out": {...}}, BLOCK_K dividing 128 or a multiple of it); otherwise each is autotuned per shape. pdl: as
     triton_direct.launch's."""
     _check_config(config)
     return triton_direct.launch(x, weights, ids, w_in, b_in, w_out, b_out, activation, gated, config,
                                 scales=(w_in_scale_inv, w_out_scale_inv),
-                                tuned=(_fp8_direct_in_tuned, _fp8_direct_out_tuned), pdl=pdl, sum_k=sum_k)
+                                tuned=(_fp8_direct_in_tuned, _fp8_direct_out_tuned), pdl=pdl)
 
 
 # ---- linear_fp8: a few rows (decode) times FP8 block-scaled weights

@@ -91,22 +91,6 @@ def test_runtime_tiles_come_from_the_table_and_match_the_reference(hidden, width
         torch.testing.assert_close(got, _sorted(x, weights, ids, *params, "silu", True), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_second_projection_summing_over_k_equals_the_terms_summed(case, bias):
-    """sum_k: one program per (token, column tile) streams its k experts' tiles and sums them (bench/direct_experts.py
-    times it); the terms' sum, at tiles of several K steps and dropped slots."""
-    _, num_experts, _, hidden, width, _, _ = CASES[case]
-    x, weights, ids = case_inputs(case)
-    params = _experts(num_experts, hidden, width, True, bias, seed=8)
-    want = _sorted(x, weights, ids, *params, "silu", True).sum(1)
-    got = triton_direct.routed_experts(x, weights, ids, *params, "silu", True, config=TILES, sum_k=True)
-    assert got.shape == (x.shape[0], hidden)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="tiles"):
-        triton_direct.routed_experts(x, weights, ids, *params, "silu", True, sum_k=True)
-
-
 def test_triton_routed_experts_read_nothing_for_dropped_assignments():
     """An assignment of weight 0 reads no weights: NaN weights of an expert only such assignments name change
     nothing, as in the reference, where combine skips them."""
@@ -119,9 +103,6 @@ def test_triton_routed_experts_read_nothing_for_dropped_assignments():
     got = triton_direct.routed_experts(x, weights, ids, w_in, b_in, w_out, b_out, "silu", True, config=TILES)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, _sorted(x, weights, ids, w_in, b_in, w_out, b_out, "silu", True))
-    summed = triton_direct.routed_experts(x, weights, ids, w_in, b_in, w_out, b_out, "silu", True, config=TILES,
-                                          sum_k=True)
-    torch.testing.assert_close(summed, got.sum(1))
 
 
 def test_triton_routed_experts_empty_batch():

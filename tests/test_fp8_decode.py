@@ -60,10 +60,6 @@ def test_fp8_direct_experts_match_dequantised_float32(case, gated, activation, b
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     wide = triton_fp8_decode.routed_experts_fp8(x, weights, ids, *quantised, activation, gated, config=WIDE_TILES)
     torch.testing.assert_close(wide, want, rtol=1e-5, atol=1e-5)
-    for tiles in (TILES, WIDE_TILES):  # the second projection summing each token's k terms itself
-        summed = triton_fp8_decode.routed_experts_fp8(x, weights, ids, *quantised, activation, gated, config=tiles,
-                                                      sum_k=True)
-        torch.testing.assert_close(summed, want.sum(1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(R.routed_experts_fp8(x, weights, ids, *quantised, activation, gated), want,
                                rtol=1e-5, atol=1e-5)
     # FP8 weights alone (activations unquantised) stay near the unquantised FFN: e4m3 rounds each weight by <= 6%,
