@@ -13,7 +13,7 @@ from moecompile.kernels.triton_moe import HAS_GRID_DEPENDENCY, dependent_launch
 
 SCORING_IDS = {"softmax": 0, "sigmoid": 1}
 MAX_EXPERTS = 1024  # one token's scores live in registers
-_RANK_TILE = 16384  # assignments x bins per program of the rank kernel (one-hot cumsum in registers)
+_RANK_BLOCK = 64  # assignments per program of the rank kernel (each compared with the block's earlier ones)
 _SCAN_CHUNK = 1024  # rank blocks per step of a bin's running sum
 # Up to this many assignments (decode) one kernel sorts and copies: each program compares its assignments with all
 # of them (quadratic, but one launch instead of the counting sort's several).
@@ -69,15 +69,21 @@ def _selection(logits_ptr, bias_ptr, tok, tmask, num_experts, TOP_K: tl.constexp
     choice = tl.where(emask[None, :], choice, float("-inf"))
     if N_GROUP > 1:
         choice = _best_groups(choice, BLOCK_T, E_PAD, N_GROUP, TOPK_GROUP)
+    # the choices as int32 ordered as the floats are: a warp reduces them in one instruction (redux.sync)
+    bits = choice.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     slot = tl.arange(0, K_PAD)
     top_s = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     top_id = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(choice, axis=1)
-        pick = tl.min(tl.where(choice == best[:, None], e[None, :], E_PAD), axis=1)
+        best = tl.max(ordered, axis=1)
+        pick = tl.min(tl.where(ordered == best[:, None], e[None, :], E_PAD), axis=1)
         hit = e[None, :] == pick[:, None]
-        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
-        choice = tl.where(hit, float("-inf"), choice)
+        if HAS_BIAS or N_GROUP > 1:  # the choice is not the score: read it
+            w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        else:  # the best choice's float back from its ordered bits
+            w = (best ^ ((best >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        ordered = tl.where(hit, -2147483648, ordered)
         top_s = tl.where(slot[None, :] == j, w[:, None], top_s)
         top_id = tl.where(slot[None, :] == j, pick[:, None], top_id)
     return scores, top_s, top_id
@@ -201,13 +207,14 @@ def topk_backward(grad_weights: torch.Tensor, router_logits: torch.Tensor, exper
 def _rank_kernel(ids_ptr, rank_ptr, counts_ptr, n, num_bins, BLOCK: tl.constexpr, B_PAD: tl.constexpr):
     """For a block of assignments: each one's rank among the block's assignments to the same expert (in order),
     and the block's count per expert (bin E holds the dropped ones), stored expert-major: counts[bin, block]."""
-    a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.arange(0, BLOCK)
+    a = tl.program_id(0) * BLOCK + i
     bins = tl.arange(0, B_PAD)
     e = tl.load(ids_ptr + a, mask=a < n, other=-1).to(tl.int32)
-    onehot = (e[:, None] == bins[None, :]).to(tl.int32)
-    running = tl.cumsum(onehot, axis=0)
-    tl.store(rank_ptr + a, tl.sum(onehot * running, axis=1) - 1, mask=a < n)
-    tl.store(counts_ptr + bins * tl.num_programs(0) + tl.program_id(0), tl.sum(onehot, axis=0), mask=bins < num_bins)
+    earlier_same = (e[None, :] == e[:, None]) & (i[None, :] < i[:, None])  # [assignment, earlier assignment]
+    tl.store(rank_ptr + a, tl.sum(earlier_same.to(tl.int32), axis=1), mask=a < n)
+    tl.store(counts_ptr + bins * tl.num_programs(0) + tl.program_id(0), tl.histogram(e, B_PAD, mask=a < n),
+             mask=bins < num_bins)
 
 
 @triton.jit
@@ -305,7 +312,7 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, c
         return rows, order, offsets
     num_bins = num_experts + 1  # the last bin: dropped assignments (id E), sorted after every group
     b_pad = triton.next_power_of_2(num_bins)
-    rank_block = max(1, _RANK_TILE // b_pad)
+    rank_block = _RANK_BLOCK
     blocks = triton.cdiv(n, rank_block)
     rank = torch.empty(n, dtype=torch.int32, device=hidden.device)
     counts = torch.empty(num_bins, blocks, dtype=torch.int32, device=hidden.device)

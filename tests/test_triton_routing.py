@@ -115,7 +115,7 @@ def test_dispatch_edge_cases(dispatch_path):
 def test_counting_sort_over_many_rank_blocks(monkeypatch):
     """One assignment per rank block and a running sum over the blocks in several steps: the scan's carry."""
     monkeypatch.setattr(TR, "SMALL_DISPATCH", 0)
-    monkeypatch.setattr(TR, "_RANK_TILE", 1)
+    monkeypatch.setattr(TR, "_RANK_BLOCK", 1)
     monkeypatch.setattr(TR, "_SCAN_CHUNK", 4)
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 6, (37, 2), generator=gen)  # id 5 of 5 experts: dropped
