@@ -103,8 +103,9 @@ def cases():
             "order_ptr": "*i64", "rows_ptr": BF16, "offsets_ptr": "*i32", "scaling": "fp32"},
            dict(hidden=2048, TOP_K=8, K_PAD=8, E_PAD=128, T_PAD=16, SCORING=0, HAS_BIAS=False, RENORM=True,
                 N_GROUP=1, TOPK_GROUP=1, BLOCK_A=16, BLOCK_H=256), {})
-    yield (triton_routing._rank_kernel, "E=128", {"ids_ptr": "*i64", "rank_ptr": "*i32", "counts_ptr": "*i32"},
-           dict(BLOCK=64, B_PAD=256), {})
+    rank = {"ids_ptr": "*i64", "rank_ptr": "*i32", "counts_ptr": "*i32"}
+    for experts, bins in ((128, 256), (8, 16)):  # the block's histogram over many bins and over fewer than a warp
+        yield (triton_routing._rank_kernel, f"E={experts}", rank, dict(BLOCK=64, B_PAD=bins), {})
     yield (triton_routing._scan_counts_kernel, "1024 blocks", {"counts_ptr": "*i32", "totals_ptr": "*i32"},
            dict(CHUNK=1024), {})
     scatter = {"x_ptr": BF16, "ids_ptr": "*i64", "rank_ptr": "*i32", "prefix_ptr": "*i32", "totals_ptr": "*i32",
