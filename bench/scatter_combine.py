@@ -49,7 +49,7 @@ def scattered_second(a, offsets, w_out, token_of_row, row_weights, tokens, dtype
 
 def projection_variants(r, a, tokens, k):
     offsets, order, weights, w_out = r.offsets, r.order, r.weights, r.w_out
-    token_of_row = (order // k).to(torch.int32)
+    token_of_row = runtime.token_of(order, k)
     row_weights = weights.reshape(-1).index_select(0, order).float()
 
     def second(kernel):

@@ -31,6 +31,7 @@ from fine_grained import SHAPES  # noqa: E402  (the bench's shapes, beside this 
 
 from moecompile.kernels import quack_gemm, triton_routing  # noqa: E402
 from moecompile.runtime import choices  # noqa: E402
+from moecompile.runtime.cuda import token_of  # noqa: E402
 
 
 def bench(fn) -> float:
@@ -47,7 +48,7 @@ def gemms(d, f, e, k, tokens):
     _, ids = triton_routing.topk(logits, k, True)
     rows, order, offsets = triton_routing.dispatch(x, ids, e)
     cu = triton_routing.group_starts(offsets)
-    gather = (order // k).to(torch.int32)
+    gather = token_of(order, k)
     a = torch.randn(rows.shape[0], f, device="cuda", dtype=torch.bfloat16, generator=gen)
     from quack import gemm_interface as q
 
@@ -82,7 +83,7 @@ def backward_gemms(d, f, e, k, tokens):
     _, ids = triton_routing.topk(torch.randn(tokens, e, device="cuda", generator=gen), k, True)
     rows, order, offsets = triton_routing.dispatch(x, ids, e)
     cu = triton_routing.group_starts(offsets)
-    tokens_of_rows = (order // k).to(torch.int32)
+    tokens_of_rows = token_of(order, k)
     scores = torch.rand(rows.shape[0], device="cuda", generator=gen)
     _, h = quack_gemm.first_projection_train(rows, cu, w_in, None, "silu", True)
     grad_y = torch.randn(rows.shape, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -62,19 +62,6 @@ def weight_tile(w, s_ptr, rows, rmask, k_blocks: tl.constexpr, k0, SCALED: tl.co
 
 
 @triton.jit
-def _second_tile(a_ptr, w_base, s_base, a, cols, cmask, kept_cols, limit, k0, width: tl.constexpr,
-                 k_blocks: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """act[a, ks] times its expert's W_out tile [cols, ks] for the K step at k0, float32 [BLOCK_N, BLOCK_K]; nothing
-    read at or past `limit` (0: a dropped assignment reads nothing)."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    kmask = ks < limit
-    ak = tl.load(a_ptr + a.to(tl.int64) * width + ks, mask=kmask, other=0.0).to(tl.float32)
-    w = tl.load(w_base + cols[:, None].to(tl.int64) * width + ks[None, :], mask=cmask[:, None] & kmask[None, :],
-                other=0.0)
-    return weight_tile(w, s_base, cols, kept_cols, k_blocks, k0, SCALED, BLOCK_N, BLOCK_K) * ak[None, :]
-
-
-@triton.jit
 def _direct_ffn_in_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, assignments, top_k, num_experts,
                           hidden: tl.constexpr, width: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                           ACT: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -133,8 +120,12 @@ def _direct_ffn_out_kernel(a_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, 
     s_base = s_ptr + expert.to(tl.int64) * ((hidden + 127) // 128) * k_blocks
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, width, BLOCK_K):
-        acc += _second_tile(a_ptr, w_base, s_base, a, cols, cmask, kept_cols, limit, k0, width, k_blocks, SCALED,
-                            BLOCK_N, BLOCK_K)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < limit
+        ak = tl.load(a_ptr + a.to(tl.int64) * width + ks, mask=kmask, other=0.0).to(tl.float32)
+        w = tl.load(w_base + cols[:, None].to(tl.int64) * width + ks[None, :], mask=cmask[:, None] & kmask[None, :],
+                    other=0.0)
+        acc += weight_tile(w, s_base, cols, kept_cols, k_blocks, k0, SCALED, BLOCK_N, BLOCK_K) * ak[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + expert.to(tl.int64) * hidden + cols, mask=kept_cols, other=0.0).to(tl.float32)
@@ -159,7 +150,7 @@ def launch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_in: torc
     num_experts, in_width, _ = w_in.shape
     width = in_width // 2 if gated else in_width
     assignments = tokens * top_k
-    terms = x.new_empty((tokens, top_k, hidden), dtype=torch.float32)
+    terms = x.new_empty(tokens, top_k, hidden, dtype=torch.float32)
     if assignments == 0:
         return terms
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()

@@ -159,6 +159,17 @@ def groups_supported(num_experts: int, n_group: int, topk_group: int) -> bool:
                             and 1 <= topk_group <= n_group)
 
 
+def _selection_launch(tokens: int, num_experts: int, top_k: int, renormalize: bool, scoring: str, correction_bias,
+                      n_group: int, topk_group: int) -> tuple[tuple[int], dict]:
+    """(grid, tiles and constants) of a kernel over _selection's token blocks: topk's and its backward's."""
+    e_pad = triton.next_power_of_2(num_experts)
+    block_t = max(1, min(64, 4096 // e_pad, triton.next_power_of_2(tokens)))
+    return (triton.cdiv(tokens, block_t),), dict(
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t, SCORING=SCORING_IDS[scoring],
+        HAS_BIAS=correction_bias is not None, RENORM=renormalize, N_GROUP=n_group, TOPK_GROUP=topk_group,
+        num_warps=max(1, min(4, block_t * e_pad // 256)))  # decode: one warp's reductions
+
+
 def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
          correction_bias: torch.Tensor | None = None, scaling_factor: float = 1.0, n_group: int = 1,
          topk_group: int = 1, pdl: bool = False):
@@ -169,16 +180,12 @@ def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: st
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
     if tokens == 0:
         return weights, ids
-    e_pad = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(64, 4096 // e_pad, triton.next_power_of_2(tokens)))
     logits = router_logits.contiguous()
     pdl = pdl and HAS_GRID_DEPENDENCY  # a Triton without it launches it in stream order
-    _topk_kernel[(triton.cdiv(tokens, block_t),)](
-        logits, correction_bias if correction_bias is not None else logits, weights, ids, tokens, num_experts,
-        float(scaling_factor), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
-        SCORING=SCORING_IDS[scoring], HAS_BIAS=correction_bias is not None, RENORM=renormalize, N_GROUP=n_group,
-        TOPK_GROUP=topk_group, PDL=pdl, launch_pdl=pdl,
-        num_warps=max(1, min(4, block_t * e_pad // 256)))  # decode: one warp's shuffles for its k reductions
+    grid, meta = _selection_launch(tokens, num_experts, top_k, renormalize, scoring, correction_bias, n_group,
+                                   topk_group)
+    _topk_kernel[grid](logits, correction_bias if correction_bias is not None else logits, weights, ids, tokens,
+                       num_experts, float(scaling_factor), PDL=pdl, launch_pdl=pdl, **meta)
     return weights, ids
 
 
@@ -191,15 +198,12 @@ def topk_backward(grad_weights: torch.Tensor, router_logits: torch.Tensor, exper
     grad = torch.empty_like(router_logits)
     if tokens == 0:
         return grad
-    e_pad = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(64, 4096 // e_pad, triton.next_power_of_2(tokens)))
     logits = router_logits.contiguous()
-    _topk_backward_kernel[(triton.cdiv(tokens, block_t),)](
-        logits, correction_bias if correction_bias is not None else logits, expert_ids.contiguous(),
-        grad_weights.contiguous(), grad, tokens, num_experts, float(scaling_factor), TOP_K=top_k,
-        K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t, SCORING=SCORING_IDS[scoring],
-        HAS_BIAS=correction_bias is not None, RENORM=renormalize, N_GROUP=n_group, TOPK_GROUP=topk_group,
-        num_warps=max(1, min(4, block_t * e_pad // 256)))
+    grid, meta = _selection_launch(tokens, num_experts, top_k, renormalize, scoring, correction_bias, n_group,
+                                   topk_group)
+    _topk_backward_kernel[grid](logits, correction_bias if correction_bias is not None else logits,
+                                expert_ids.contiguous(), grad_weights.contiguous(), grad, tokens, num_experts,
+                                float(scaling_factor), **meta)
     return grad
 
 

@@ -320,8 +320,7 @@ def dispatch_backward(grad_sorted, order, tokens: int, top_k: int):
 
 
 for _op in ("route", "route_backward", "route_grouped", "route_grouped_backward", "dispatch", "route_dispatch",
-            "route_dispatch_backward", "experts",
-            "experts_gathered", "experts_train",
+            "route_dispatch_backward", "experts", "experts_gathered", "experts_train",
             "routed_experts", "decode_attention", "combine", "combine_backward", "dispatch_backward",
             "experts_combine_train", "experts_combine_backward", "experts_combine_backward_reads_y"):
     register_kernel(_op, "cuda", globals()[_op])
