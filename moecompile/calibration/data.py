@@ -54,7 +54,7 @@ def _is_prose(text: str) -> bool:
     words = _WORD.findall(text)
     if len(words) < 6:
         return False
-    letters = sum(ch.isalpha() or ch.isspace() for ch in text)
+    letters = sum(map(str.isalpha, text)) + sum(map(str.isspace, text))  # disjoint classes, counted at C speed
     return letters / len(text) > 0.85
 
 
