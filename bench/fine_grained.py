@@ -122,7 +122,6 @@ def gathered_layer(ours, x2, k):
     alternating (SonicMoE's layout, converted once here) instead of gate rows first, as a function of nothing."""
     from moecompile.kernels import quack_gemm, triton_moe, triton_routing
     from moecompile.runtime import choices
-    from moecompile.runtime.cuda import token_of
 
     w_in, w_out, e = ours.experts.w_in, ours.experts.w_out, ours.config.num_experts
     first = choices.quack_config("first", w_in.shape[2], w_in.shape[1], gathered=True)
@@ -133,9 +132,9 @@ def gathered_layer(ours, x2, k):
         logits = ours.router_logits(x2)  # as the layer computes them (float32 out of tensor cores)
         weights, ids = triton_routing.topk(logits, k, True)
         _, order, offsets = triton_routing.dispatch(x2, ids, e, copy_rows=False)
-        cu = triton_routing.group_starts(offsets)
+        cu, tokens = triton_routing.gather_indices(order, offsets, k)
         a = quack_gemm.first_projection(x2, cu, w_in, None, "silu", True,
-                                        gather_rows=token_of(order, k), interleaved=True, config=first)
+                                        gather_rows=tokens, interleaved=True, config=first)
         return triton_moe.combine(quack_gemm.second_projection(a, cu, w_out, None, config=second), order, weights)
 
     return layer

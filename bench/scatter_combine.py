@@ -49,7 +49,7 @@ def scattered_second(a, offsets, w_out, token_of_row, row_weights, tokens, dtype
 
 def projection_variants(r, a, tokens, k):
     offsets, order, weights, w_out = r.offsets, r.order, r.weights, r.w_out
-    token_of_row = runtime.token_of(order, k)
+    token_of_row = triton_routing.gather_indices(order, offsets, k)[1]
     row_weights = weights.reshape(-1).index_select(0, order).float()
 
     def second(kernel):
@@ -92,8 +92,8 @@ def layer_variants(r, k):
 
     def scattered():
         weights, order, offsets = route()
-        a, _ = runtime.gathered_first_projection(x, order, offsets, k, r.w_in, None, r.w_out, "silu", True)
-        return scattered_second(a, offsets, r.w_out, (order // k).to(torch.int32),
+        a, _, _ = runtime.gathered_first_projection(x, order, offsets, k, r.w_in, None, r.w_out, "silu", True)
+        return scattered_second(a, offsets, r.w_out, triton_routing.gather_indices(order, offsets, k)[1],
                                 weights.reshape(-1).index_select(0, order).float(), x.shape[0], torch.bfloat16)
 
     return [(f"layer, {first} + {second} + combine", as_run),

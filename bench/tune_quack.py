@@ -31,7 +31,6 @@ from fine_grained import SHAPES  # noqa: E402  (the bench's shapes, beside this 
 
 from moecompile.kernels import quack_gemm, triton_routing  # noqa: E402
 from moecompile.runtime import choices  # noqa: E402
-from moecompile.runtime.cuda import token_of  # noqa: E402
 
 
 def bench(fn) -> float:
@@ -47,8 +46,7 @@ def gemms(d, f, e, k, tokens):
     logits = torch.randn(tokens, e, device="cuda", generator=gen)
     _, ids = triton_routing.topk(logits, k, True)
     rows, order, offsets = triton_routing.dispatch(x, ids, e)
-    cu = triton_routing.group_starts(offsets)
-    gather = token_of(order, k)
+    cu, gather = triton_routing.gather_indices(order, offsets, k)
     a = torch.randn(rows.shape[0], f, device="cuda", dtype=torch.bfloat16, generator=gen)
     from quack import gemm_interface as q
 
@@ -82,8 +80,7 @@ def backward_gemms(d, f, e, k, tokens):
     w_out = torch.randn(e, d, f, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     _, ids = triton_routing.topk(torch.randn(tokens, e, device="cuda", generator=gen), k, True)
     rows, order, offsets = triton_routing.dispatch(x, ids, e)
-    cu = triton_routing.group_starts(offsets)
-    tokens_of_rows = token_of(order, k)
+    cu, tokens_of_rows = triton_routing.gather_indices(order, offsets, k)
     scores = torch.rand(rows.shape[0], device="cuda", generator=gen)
     _, h = quack_gemm.first_projection_train(rows, cu, w_in, None, "silu", True)
     grad_y = torch.randn(rows.shape, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -333,20 +333,36 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, c
 
 
 @triton.jit
-def _group_starts_kernel(offsets_ptr, starts_ptr, num_experts, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
-    ends = tl.load(offsets_ptr + i - 1, mask=(i > 0) & (i <= num_experts), other=0)
-    tl.store(starts_ptr + i, ends.to(tl.int32), mask=i <= num_experts)
+def _group_indices_kernel(offsets_ptr, starts_ptr, order_ptr, token_of_ptr, n, num_experts, TOP_K: tl.constexpr,
+                          BLOCK: tl.constexpr, E_PAD: tl.constexpr):
+    """token_of[p] = order[p] // TOP_K (int32) for a block of the n sorted rows; the first program also writes the
+    group starts."""
+    if tl.program_id(0) == 0:
+        i = tl.arange(0, E_PAD)
+        ends = tl.load(offsets_ptr + i - 1, mask=(i > 0) & (i <= num_experts), other=0)
+        tl.store(starts_ptr + i, ends.to(tl.int32), mask=i <= num_experts)
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(order_ptr + p, mask=p < n, other=0)
+    tl.store(token_of_ptr + p, (a // TOP_K).to(tl.int32), mask=p < n)
+
+
+def gather_indices(order: torch.Tensor, offsets: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(group_starts(offsets), each sorted row's token order // top_k as int32): what a GEMM gathering its rows
+    from the tokens reads (QuACK's cu_seqlens and A_idx), in one launch."""
+    num_experts, n = offsets.shape[0], order.shape[0]
+    starts = torch.empty(num_experts + 1, dtype=torch.int32, device=offsets.device)
+    token_of = torch.empty(n, dtype=torch.int32, device=offsets.device)
+    block = 1024
+    _group_indices_kernel[(max(1, triton.cdiv(n, block)),)](
+        offsets.contiguous(), starts, order.contiguous(), token_of, n, num_experts, TOP_K=top_k, BLOCK=block,
+        E_PAD=triton.next_power_of_2(num_experts + 1))
+    return starts, token_of
 
 
 def group_starts(offsets: torch.Tensor) -> torch.Tensor:
     """[E + 1] int32 from 0: each group's start, then the last group's end (the groups' cumulative ends, offsets,
     behind a zero; QuACK's cu_seqlens) in one launch."""
-    num_experts = offsets.shape[0]
-    starts = torch.empty(num_experts + 1, dtype=torch.int32, device=offsets.device)
-    _group_starts_kernel[(1,)](offsets.contiguous(), starts, num_experts,
-                               BLOCK=triton.next_power_of_2(num_experts + 1))
-    return starts
+    return gather_indices(offsets.new_empty(0, dtype=torch.int64), offsets, 1)[0]
 
 
 @triton.jit

@@ -122,9 +122,15 @@ def _projection_kernels(x, w_in, w_out, activation: str, gated: bool, training: 
     return first, second
 
 
-def _second_projection(a, offsets, w_out, b_out, kernel: str):
+def _group_starts(offsets, kernels: tuple[str, str]):
+    """QuACK's group starts (cu_seqlens) where a projection runs on QuACK: one launch that both share."""
+    return triton_routing.group_starts(offsets) if set(kernels) & set(choices.QUACK_KERNELS) else None
+
+
+def _second_projection(a, offsets, w_out, b_out, kernel: str, starts):
+    """a W_out^T + b_out over dispatched rows on `kernel`; starts: _group_starts'."""
     if kernel == "quack":
-        return quack_gemm.second_projection(a, triton_routing.group_starts(offsets), w_out, b_out,
+        return quack_gemm.second_projection(a, starts, w_out, b_out,
                                             config=choices.quack_config("second", w_out.shape[2], w_out.shape[1]))
     if kernel.startswith("triton"):
         return triton_moe.grouped_ffn_in(a, offsets, w_out, b_out, None, False, variant=kernel)
@@ -140,9 +146,10 @@ def _grouped_mm_first_projection(x, offsets, w_in, b_in, activation: str, gated:
     return triton_moe.expert_activation(h, offsets, b_in, activation, gated), h
 
 
-def _quack_first_projection(x, offsets, w_in, b_in, activation: str, gated: bool):
+def _quack_first_projection(x, offsets, w_in, b_in, activation: str, gated: bool, starts=None):
     """(a, h) on QuACK over dispatched rows, with the tuned configuration: QuACK writes h there in any case."""
-    return quack_gemm.first_projection_train(x, triton_routing.group_starts(offsets), w_in, b_in, activation, gated,
+    starts = triton_routing.group_starts(offsets) if starts is None else starts
+    return quack_gemm.first_projection_train(x, starts, w_in, b_in, activation, gated,
                                              config=choices.quack_config("first", w_in.shape[2], w_in.shape[1]))
 
 
@@ -150,14 +157,15 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
     if not grouped_mm.supported(x, w_in, w_out):
         return reference.experts(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
     first, second = _projection_kernels(x, w_in, w_out, activation, gated)
-    return _second_projection(_first_projection(x, offsets, w_in, b_in, activation, gated, first), offsets, w_out,
-                              b_out, second)
+    starts = _group_starts(offsets, (first, second))
+    return _second_projection(_first_projection(x, offsets, w_in, b_in, activation, gated, first, starts), offsets,
+                              w_out, b_out, second, starts)
 
 
-def _first_projection(x, offsets, w_in, b_in, activation: str, gated: bool, kernel: str):
+def _first_projection(x, offsets, w_in, b_in, activation: str, gated: bool, kernel: str, starts=None):
     """act(x W_in^T + b_in) over dispatched rows on `kernel` (QuACK gathering reads the rows as given here)."""
     if kernel in choices.QUACK_KERNELS:
-        return _quack_first_projection(x, offsets, w_in, b_in, activation, gated)[0]
+        return _quack_first_projection(x, offsets, w_in, b_in, activation, gated, starts)[0]
     if kernel.startswith("triton"):
         return triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, variant=kernel)
     return _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)[0]
@@ -167,28 +175,26 @@ def experts_gathered(hidden, order, offsets, top_k: int, w_in, b_in, w_out, b_ou
     """QuACK's first projection gathers its rows from hidden where "quack_gathered" is the chosen kernel (no row copy,
     and no pre-activation written); the other kernels read a gathered copy, as dispatch would have written it."""
     if order.shape[0] and grouped_mm.supported(hidden, w_in, w_out):
-        a, second = gathered_first_projection(hidden, order, offsets, top_k, w_in, b_in, w_out, activation, gated)
-        return _second_projection(a, offsets, w_out, b_out, second)
+        a, second, starts = gathered_first_projection(hidden, order, offsets, top_k, w_in, b_in, w_out, activation,
+                                                      gated)
+        return _second_projection(a, offsets, w_out, b_out, second, starts)
     return experts(hidden.index_select(0, order // top_k), offsets, w_in, b_in, w_out, b_out, activation, gated)
 
 
 def gathered_first_projection(hidden, order, offsets, top_k: int, w_in, b_in, w_out, activation: str, gated: bool):
-    """(the first projection's output over the rows hidden[order // top_k], the second projection's kernel), on the
-    kernels the table picks for this many rows: QuACK gathering the rows itself, or any kernel on their copy."""
+    """(the first projection's output over the rows hidden[order // top_k], the second projection's kernel, QuACK's
+    group starts or None), on the kernels the table picks for this many rows: QuACK gathering the rows itself, or
+    any kernel on their copy."""
     first, second = _projection_kernels(hidden, w_in, w_out, activation, gated, rows=order.shape[0])
     if first == "quack_gathered":
-        a = quack_gemm.first_projection(hidden.contiguous(), triton_routing.group_starts(offsets), w_in, b_in,
-                                        activation, gated, gather_rows=token_of(order, top_k),
+        starts, tokens = triton_routing.gather_indices(order, offsets, top_k)
+        a = quack_gemm.first_projection(hidden.contiguous(), starts, w_in, b_in, activation, gated, gather_rows=tokens,
                                         config=choices.quack_config("first", w_in.shape[2], w_in.shape[1],
                                                                     gathered=True))
-        return a, second
+        return a, second, starts
+    starts = _group_starts(offsets, (first, second))
     return _first_projection(triton_routing.gather_rows(hidden, order, top_k), offsets, w_in, b_in, activation, gated,
-                             first), second
-
-
-def token_of(order, top_k: int):
-    """Each sorted row's token (int32, as QuACK gathers) in one launch: the division casts as it stores."""
-    return torch.floor_divide(order, top_k, out=order.new_empty(order.shape, dtype=torch.int32))
+                             first, starts), second, starts
 
 
 def _trains_on_quack(x, w_in, w_out, activation: str, gated: bool) -> bool:
@@ -204,9 +210,12 @@ def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: 
     if not grouped_mm.supported(x, w_in, w_out):
         return reference.experts_train(x, offsets, w_in, b_in, w_out, b_out, activation, gated)
     first, second = _projection_kernels(x, w_in, w_out, activation, gated, training=True)
-    project = _quack_first_projection if first in choices.QUACK_KERNELS else _grouped_mm_first_projection
-    a, h = project(x, offsets, w_in, b_in, activation, gated)
-    return _second_projection(a, offsets, w_out, b_out, second), h
+    starts = _group_starts(offsets, (first, second))
+    if first in choices.QUACK_KERNELS:
+        a, h = _quack_first_projection(x, offsets, w_in, b_in, activation, gated, starts)
+    else:
+        a, h = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
+    return _second_projection(a, offsets, w_out, b_out, second, starts), h
 
 
 def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gated: bool, has_b_out: bool, h=None):
@@ -272,12 +281,11 @@ def experts_combine_backward(grad_out, x, offsets, order, weights, w_in, b_in, w
         grad_x, grad_w_in, grad_b_in, grad_w_out, grad_b_out = experts_backward(
             grad_rows, x, offsets, w_in, b_in, w_out, activation, gated, has_b_out, h=h)
         return grad_x, grad_weights, grad_w_in, grad_b_in, grad_w_out, grad_b_out
-    top_k = weights.shape[1]
-    tokens = token_of(order, top_k)
+    starts, tokens = triton_routing.gather_indices(order, offsets, weights.shape[1])
     scores = weights.reshape(-1).index_select(0, order).float()
     configs = choices.quack_backward_configs(x.shape[1], w_out.shape[2], w_in.shape[1], combined=True)
     grad_x, grad_w_in, grad_w_out, grad_h, grad_scores = quack_gemm.combined_backward(
-        grad_out, tokens, scores, x, triton_routing.group_starts(offsets), w_in, w_out, h, activation, configs)
+        grad_out, tokens, scores, x, starts, w_in, w_out, h, activation, configs)
     # a dropped slot (weight 0, its row past the groups, grad_scores unwritten there) gets none, as in combine_backward
     grad_weights = grad_scores.new_empty(scores.shape).index_copy_(0, order, grad_scores).view(weights.shape)
     grad_weights = torch.where(weights != 0, grad_weights, 0.0).to(weights.dtype)

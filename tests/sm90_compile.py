@@ -115,8 +115,8 @@ def cases():
     fp8_rows = {**scatter, "x_ptr": "*fp8e4nv", "rows_ptr": "*fp8e4nv"}
     yield (triton_routing._scatter_rows_kernel, "H=7168 FP8 rows", fp8_rows,
            dict(hidden=7168, TOP_K=8, RANK_BLOCK=32, BLOCK_A=32, B_PAD=512, BLOCK_H=512), {})
-    yield (triton_routing._group_starts_kernel, "E=128", {"offsets_ptr": "*i32", "starts_ptr": "*i32"},
-           dict(BLOCK=256), {})
+    yield (triton_routing._group_indices_kernel, "E=128", {"offsets_ptr": "*i32", "starts_ptr": "*i32",
+           "order_ptr": "*i64", "token_of_ptr": "*i32"}, dict(TOP_K=8, BLOCK=1024, E_PAD=256), {})
     yield (triton_routing._gather_rows_kernel, "H=2048", {"x_ptr": BF16, "order_ptr": "*i64", "rows_ptr": BF16},
            dict(hidden=2048, TOP_K=8, BLOCK_A=32, BLOCK_H=256), {})
     direct = {"x_ptr": BF16, "ids_ptr": "*i64", "w_ptr": BF16, "s_ptr": BF16, "bias_ptr": BF16, "out_ptr": BF16}

@@ -184,6 +184,18 @@ def test_group_starts_puts_a_zero_before_the_ends(experts, dtype):
     assert torch.equal(starts, torch.nn.functional.pad(offsets.to(torch.int32), (1, 0)))
 
 
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 1), (300, 128, 8), (1500, 7, 3), (0, 5, 2)])
+def test_gather_indices_are_the_starts_and_each_rows_token(tokens, experts, top_k):
+    """One launch for QuACK's gathered first projection: the group starts and order // k (int32), across blocks."""
+    gen = torch.Generator().manual_seed(tokens + experts)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+    _, order, offsets = R.dispatch(torch.zeros(tokens, 4), ids, experts, copy_rows=False)
+    starts, token_of = TR.gather_indices(order, offsets, top_k)
+    assert starts.dtype == token_of.dtype == torch.int32
+    assert torch.equal(starts, TR.group_starts(offsets))
+    assert torch.equal(token_of, (order // top_k).to(torch.int32))
+
+
 @pytest.mark.parametrize("tokens,experts,top_k,capacity", [(37, 8, 2, 0.0), (20, 128, 8, 0.0), (9, 6, 6, 0.0),
                                                            (30, 4, 2, 0.5), (1, 16, 4, 0.0)])
 @pytest.mark.parametrize("renormalize", [True, False])
