@@ -10,6 +10,7 @@
 #   bash bench/gpu_check.sh direct-experts [ARGS] # bench/direct_experts.py ARGS, table to $OUT/direct-experts.md
 #   bash bench/gpu_check.sh scatter-combine [ARGS] # bench/scatter_combine.py ARGS, table to $OUT/scatter-combine.md
 #   bash bench/gpu_check.sh combine-tiles [ARGS] # bench/combine_tiles.py ARGS, table to $OUT/combine-tiles.md
+#   bash bench/gpu_check.sh routing-kernels [ARGS] # bench/routing_kernels.py ARGS, table to $OUT/routing-kernels.md
 #   bash bench/gpu_check.sh decode-attention [ARGS] # its GPU tests, the attention probe at a short and at a 4k
 #     context, decode steps with and without option decode_attention (ARGS, e.g. --commit, to each generate.py)
 # On the device tool's H200 machine: its python3 has torch, triton and transformers; nothing is downloaded
@@ -64,6 +65,8 @@ case "$what" in
     | tee "$out/scatter-combine$tag.log" ;;
   combine-tiles) python3 bench/combine_tiles.py --out "$out/combine-tiles$tag.md" "$@" 2>&1 \
     | tee "$out/combine-tiles$tag.log" ;;
+  routing-kernels) python3 bench/routing_kernels.py --out "$out/routing-kernels$tag.md" "$@" 2>&1 \
+    | tee "$out/routing-kernels$tag.log" ;;
   decode-attention)  # what decides the option's default (docs/compile-backend.md, decode_attention)
     python3 -m pytest -q -m gpu tests/test_gpu_decode_attention.py -p no:cacheprovider 2>&1 \
       | tee "$out/gpu-tests-decode-attention.log"
@@ -74,6 +77,6 @@ case "$what" in
     python3 bench/generate.py --out "$out/decode-attention-steps.md" --models qwen3-30b-a3b,mixtral-8x7b \
       --batches 1,16 --modes moecompile,moecompile-split-kv --reps 2 --new 32 "$@" 2>&1 | tail -20 ;;
   *) echo "usage: bench/gpu_check.sh tests [PATHS]|layer|generate|tune-quack|fine-grained|fp8-linear|direct-experts" \
-       "|scatter-combine|combine-tiles|decode-attention [ARGS]" >&2
+       "|scatter-combine|combine-tiles|routing-kernels|decode-attention [ARGS]" >&2
      exit 2 ;;
 esac

@@ -160,21 +160,24 @@ def groups_supported(num_experts: int, n_group: int, topk_group: int) -> bool:
 
 
 def _selection_launch(tokens: int, num_experts: int, top_k: int, renormalize: bool, scoring: str, correction_bias,
-                      n_group: int, topk_group: int) -> tuple[tuple[int], dict]:
-    """(grid, tiles and constants) of a kernel over _selection's token blocks: topk's and its backward's."""
+                      n_group: int, topk_group: int, block_t: int | None = None,
+                      num_warps: int | None = None) -> tuple[tuple[int], dict]:
+    """(grid, tiles and constants) of a kernel over _selection's token blocks: topk's and its backward's. block_t
+    tokens a program and num_warps: the defaults' overrides, for bench/routing_kernels.py."""
     e_pad = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(64, 4096 // e_pad, triton.next_power_of_2(tokens)))
+    block_t = block_t or max(1, min(64, 4096 // e_pad, triton.next_power_of_2(tokens)))
     return (triton.cdiv(tokens, block_t),), dict(
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t, SCORING=SCORING_IDS[scoring],
         HAS_BIAS=correction_bias is not None, RENORM=renormalize, N_GROUP=n_group, TOPK_GROUP=topk_group,
-        num_warps=max(1, min(4, block_t * e_pad // 256)))  # decode: one warp's reductions
+        num_warps=num_warps or max(1, min(4, block_t * e_pad // 256)))  # decode: one warp's reductions
 
 
 def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
          correction_bias: torch.Tensor | None = None, scaling_factor: float = 1.0, n_group: int = 1,
-         topk_group: int = 1, pdl: bool = False):
+         topk_group: int = 1, pdl: bool = False, block_t: int | None = None, num_warps: int | None = None):
     """(weights [T, k] float32, ids [T, k] int64) as kernels/reference.py's route_grouped (groups_supported); pdl:
-    launched as a programmatic dependent (sm_90+, Triton with triton_moe.HAS_GRID_DEPENDENCY)."""
+    launched as a programmatic dependent (sm_90+, Triton with triton_moe.HAS_GRID_DEPENDENCY); block_t, num_warps:
+    as _selection_launch."""
     tokens, num_experts = router_logits.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
@@ -183,7 +186,7 @@ def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: st
     logits = router_logits.contiguous()
     pdl = pdl and HAS_GRID_DEPENDENCY  # a Triton without it launches it in stream order
     grid, meta = _selection_launch(tokens, num_experts, top_k, renormalize, scoring, correction_bias, n_group,
-                                   topk_group)
+                                   topk_group, block_t, num_warps)
     _topk_kernel[grid](logits, correction_bias if correction_bias is not None else logits, weights, ids, tokens,
                        num_experts, float(scaling_factor), PDL=pdl, launch_pdl=pdl, **meta)
     return weights, ids
@@ -296,9 +299,11 @@ def _row_copy_block(hidden: torch.Tensor) -> int:
     return 512 if hidden.element_size() == 1 else 256  # FP8 rows (FP8 dispatch): 512 bytes a copy, as bf16
 
 
-def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, copy_rows: bool = True):
+def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, copy_rows: bool = True,
+             rank_block: int = _RANK_BLOCK):
     """(sorted rows [T*k, H], order [T*k] int64, offsets [E] int32) as kernels/reference.py's dispatch. Without
-    copy_rows only the order and offsets are computed (rows is None): for GEMMs that gather their rows themselves."""
+    copy_rows only the order and offsets are computed (rows is None): for GEMMs that gather their rows themselves.
+    rank_block: assignments a program of the rank kernel compares (a power of 2)."""
     tokens, top_k = expert_ids.shape
     n, width = tokens * top_k, hidden.shape[1]
     rows = hidden.new_empty(n, width) if copy_rows else None
@@ -316,7 +321,6 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, c
         return rows, order, offsets
     num_bins = num_experts + 1  # the last bin: dropped assignments (id E), sorted after every group
     b_pad = triton.next_power_of_2(num_bins)
-    rank_block = _RANK_BLOCK
     blocks = triton.cdiv(n, rank_block)
     rank = torch.empty(n, dtype=torch.int32, device=hidden.device)
     counts = torch.empty(num_bins, blocks, dtype=torch.int32, device=hidden.device)
