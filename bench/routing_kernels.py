@@ -5,8 +5,9 @@ On the device:  python bench/routing_kernels.py --out bench/results/gpu-routing-
 
 Random bf16 tokens and router (d columns, E experts, top-k softmax, renormalised, dropless). Median ms (triton's
 do_bench, L2 flushed between calls) of each step as the runtime runs it ("as run"), and of the top-k kernel at
-each token block and warp count and of dispatch (rank, running sum, scatter; no row copy) at each rank block.
-check: the variant's expert ids (top-k) or order and offsets (dispatch) equal the as-run ones.
+each token block and warp count, plain and ranked (ranked=True: dispatch's rank kernel folded in), and of dispatch
+(rank, running sum, scatter; no row copy) at each rank block. check: the variant's expert ids (top-k) or order and
+offsets (dispatch) equal the as-run ones.
 """
 from __future__ import annotations
 
@@ -49,15 +50,25 @@ def run(name, d, e, k, tokens, lines):
         lambda: triton_routing.gather_indices(order, offsets, k))
     row("inverse permutation (the combine's), as run", lambda: triton_moe.row_of_assignments(order))
     row("all of the above but the router GEMM, as run", routing)
-    for block_t, warps in TOPK_TILES:
+
+    def ranked_dispatch(**tile):
+        _, i, ranks = triton_routing.topk(logits, k, True, ranked=True, **tile)
+        return triton_routing.dispatch(x, i, e, copy_rows=False, ranks=ranks)
+
+    _, o, off = ranked_dispatch()
+    row("ranked top-k, then dispatch without its rank kernel", ranked_dispatch,
+        "ok" if torch.equal(o, order) and torch.equal(off, offsets) else "DIFFERS")
+    row("top-k, then dispatch, as run",
+        lambda: triton_routing.dispatch(x, triton_routing.topk(logits, k, True)[1], e, copy_rows=False))
+    for (block_t, warps), ranked in itertools.product(TOPK_TILES, (False, True)):
+        label = f"top-k{', ranked' if ranked else ''}, {block_t} tokens, {warps} warps"
         try:
-            _, got = triton_routing.topk(logits, k, True, block_t=block_t, num_warps=warps)
+            got = triton_routing.topk(logits, k, True, block_t=block_t, num_warps=warps, ranked=ranked)[1]
         except Exception as err:  # a tile Triton cannot compile (registers, shared memory) is a row, not a crash
-            lines.append(f"| {name} | {d}, {e}, {k}, {tokens} | top-k, {block_t} tokens, {warps} warps | "
-                         f"{type(err).__name__} | |")
+            lines.append(f"| {name} | {d}, {e}, {k}, {tokens} | {label} | {type(err).__name__} | |")
             continue
-        row(f"top-k, {block_t} tokens, {warps} warps",
-            lambda b=block_t, w=warps: triton_routing.topk(logits, k, True, block_t=b, num_warps=w),
+        row(label, lambda b=block_t, w=warps, r=ranked: triton_routing.topk(logits, k, True, block_t=b, num_warps=w,
+                                                                           ranked=r),
             "ok" if torch.equal(got, ids) else "DIFFERS")
     for block in RANK_BLOCKS:
         _, o, off = triton_routing.dispatch(x, ids, e, copy_rows=False, rank_block=block)

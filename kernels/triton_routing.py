@@ -50,9 +50,9 @@ def _best_groups(choice, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, N_GROUP: tl
 def _selection(logits_ptr, bias_ptr, tok, tmask, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr):
-    """(scores [tokens, E_PAD], the selected ones' scores [tokens, K_PAD], their ids) of the tokens `tok`: scores
-    (softmax or sigmoid), the top_k by score + bias (lowest id first on ties) among the TOPK_GROUP best of N_GROUP
-    expert groups."""
+    """(scores [tokens, E_PAD], the selected ones' scores [tokens, K_PAD], their ids, which experts each token chose
+    [tokens, E_PAD]) of the tokens `tok`: scores (softmax or sigmoid), the top_k by score + bias (lowest id first on
+    ties) among the TOPK_GROUP best of N_GROUP expert groups."""
     e = tl.arange(0, E_PAD)
     emask = e < num_experts
     x = tl.load(logits_ptr + tok[:, None].to(tl.int64) * num_experts + e[None, :],
@@ -75,6 +75,7 @@ def _selection(logits_ptr, bias_ptr, tok, tmask, num_experts, TOP_K: tl.constexp
     slot = tl.arange(0, K_PAD)
     top_s = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     top_id = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
+    chosen = tl.zeros((BLOCK_T, E_PAD), dtype=tl.int1)
     for j in tl.static_range(TOP_K):
         best = tl.max(ordered, axis=1)
         pick = tl.min(tl.where(ordered == best[:, None], e[None, :], E_PAD), axis=1)
@@ -84,40 +85,50 @@ def _selection(logits_ptr, bias_ptr, tok, tmask, num_experts, TOP_K: tl.constexp
         else:  # the best choice's float back from its ordered bits
             w = (best ^ ((best >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         ordered = tl.where(hit, -2147483648, ordered)
+        chosen = chosen | hit
         top_s = tl.where(slot[None, :] == j, w[:, None], top_s)
         top_id = tl.where(slot[None, :] == j, pick[:, None], top_id)
-    return scores, top_s, top_id
+    return scores, top_s, top_id, chosen
 
 
 @triton.jit
 def _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
            E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
            RENORM: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr):
-    """(weights, ids) [tokens, K_PAD] of the tokens `tok`: _selection's, the weights its scores (without the bias),
-    optionally renormalised to sum to 1, times scaling."""
-    _, top_w, top_id = _selection(logits_ptr, bias_ptr, tok, tmask, num_experts, TOP_K, K_PAD, E_PAD, BLOCK_T,
-                                  SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP)
+    """(weights, ids) [tokens, K_PAD] and the chosen experts [tokens, E_PAD] of the tokens `tok`: _selection's, the
+    weights its scores (without the bias), optionally renormalised to sum to 1, times scaling."""
+    _, top_w, top_id, chosen = _selection(logits_ptr, bias_ptr, tok, tmask, num_experts, TOP_K, K_PAD, E_PAD,
+                                          BLOCK_T, SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP)
     if RENORM:
         top_w = top_w / (tl.sum(top_w, axis=1)[:, None] + 1e-20)
-    return top_w * scaling, top_id
+    return top_w * scaling, top_id, chosen
 
 
 @triton.jit
-def _topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, tokens, num_experts, scaling,
+def _topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, rank_ptr, counts_ptr, tokens, num_experts, scaling,
                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                  SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, N_GROUP: tl.constexpr,
-                 TOPK_GROUP: tl.constexpr, PDL: tl.constexpr):
-    """_top_k of a block of tokens, stored. PDL: launched as a programmatic dependent (dependent_launch)."""
+                 TOPK_GROUP: tl.constexpr, RANK: tl.constexpr, PDL: tl.constexpr):
+    """_top_k of a block of tokens, stored. RANK: also what dispatch's rank kernel computes with the block's
+    assignments as its block (each one's rank among the block's earlier ones to its expert, the block's count per
+    expert, expert-major), from the choices already in registers. PDL: launched as a programmatic dependent
+    (dependent_launch)."""
     dependent_launch(PDL)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tok < tokens
-    top_w, top_id = _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K, K_PAD, E_PAD, BLOCK_T,
-                           SCORING, HAS_BIAS, RENORM, N_GROUP, TOPK_GROUP)
+    top_w, top_id, chosen = _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K, K_PAD, E_PAD,
+                                   BLOCK_T, SCORING, HAS_BIAS, RENORM, N_GROUP, TOPK_GROUP)
     slot = tl.arange(0, K_PAD)
     out = tok[:, None].to(tl.int64) * TOP_K + slot[None, :]
     smask = tmask[:, None] & (slot[None, :] < TOP_K)
     tl.store(weights_ptr + out, top_w, mask=smask)
     tl.store(ids_ptr + out, top_id.to(tl.int64), mask=smask)
+    if RANK:  # a token's choices are distinct experts: its rank is the count of earlier tokens choosing the same
+        chose = (chosen & tmask[:, None]).to(tl.int32)
+        tl.store(rank_ptr + out, tl.gather(tl.cumsum(chose, axis=0) - chose, top_id, axis=1), mask=smask)
+        e = tl.arange(0, E_PAD)
+        tl.store(counts_ptr + e * tl.num_programs(0) + tl.program_id(0), tl.sum(chose, axis=0),
+                 mask=e < num_experts)
 
 
 @triton.jit
@@ -129,8 +140,8 @@ def _topk_backward_kernel(logits_ptr, bias_ptr, ids_ptr, grad_w_ptr, grad_ptr, t
     selection recomputed (as before any capacity drop), a dropped slot (id E) contributing nothing."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tok < tokens
-    scores, top_s, top_id = _selection(logits_ptr, bias_ptr, tok, tmask, num_experts, TOP_K, K_PAD, E_PAD, BLOCK_T,
-                                       SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP)
+    scores, top_s, top_id, _ = _selection(logits_ptr, bias_ptr, tok, tmask, num_experts, TOP_K, K_PAD, E_PAD,
+                                          BLOCK_T, SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP)
     slot = tl.arange(0, K_PAD)
     at = tok[:, None].to(tl.int64) * TOP_K + slot[None, :]
     smask = tmask[:, None] & (slot[None, :] < TOP_K)
@@ -174,22 +185,27 @@ def _selection_launch(tokens: int, num_experts: int, top_k: int, renormalize: bo
 
 def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
          correction_bias: torch.Tensor | None = None, scaling_factor: float = 1.0, n_group: int = 1,
-         topk_group: int = 1, pdl: bool = False, block_t: int | None = None, num_warps: int | None = None):
+         topk_group: int = 1, pdl: bool = False, block_t: int | None = None, num_warps: int | None = None,
+         ranked: bool = False):
     """(weights [T, k] float32, ids [T, k] int64) as kernels/reference.py's route_grouped (groups_supported); pdl:
     launched as a programmatic dependent (sm_90+, Triton with triton_moe.HAS_GRID_DEPENDENCY); block_t, num_warps:
-    as _selection_launch."""
+    as _selection_launch. ranked: (weights, ids, ranks), ranks what dispatch would compute first (its `ranks`), in the
+    same launch."""
     tokens, num_experts = router_logits.shape
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
-    if tokens == 0:
-        return weights, ids
-    logits = router_logits.contiguous()
-    pdl = pdl and HAS_GRID_DEPENDENCY  # a Triton without it launches it in stream order
+    device = router_logits.device
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
     grid, meta = _selection_launch(tokens, num_experts, top_k, renormalize, scoring, correction_bias, n_group,
                                    topk_group, block_t, num_warps)
-    _topk_kernel[grid](logits, correction_bias if correction_bias is not None else logits, weights, ids, tokens,
-                       num_experts, float(scaling_factor), PDL=pdl, launch_pdl=pdl, **meta)
-    return weights, ids
+    rank = torch.empty(tokens, top_k, dtype=torch.int32, device=device) if ranked else ids
+    counts = torch.empty(num_experts, grid[0] if tokens else 0, dtype=torch.int32, device=device) if ranked else ids
+    if tokens:
+        logits = router_logits.contiguous()
+        pdl = pdl and HAS_GRID_DEPENDENCY  # a Triton without it launches it in stream order
+        _topk_kernel[grid](logits, correction_bias if correction_bias is not None else logits, weights, ids, rank,
+                           counts, tokens, num_experts, float(scaling_factor), RANK=ranked, PDL=pdl, launch_pdl=pdl,
+                           **meta)
+    return (weights, ids, (rank, counts, meta["BLOCK_T"] * top_k)) if ranked else (weights, ids)
 
 
 def topk_backward(grad_weights: torch.Tensor, router_logits: torch.Tensor, expert_ids: torch.Tensor, top_k: int,
@@ -251,8 +267,9 @@ def _scan_counts_kernel(counts_ptr, totals_ptr, num_blocks, CHUNK: tl.constexpr)
 
 @triton.jit
 def _scatter_rows_kernel(x_ptr, ids_ptr, rank_ptr, prefix_ptr, totals_ptr, order_ptr, rows_ptr, offsets_ptr, n,
-                         num_experts, num_blocks, hidden: tl.constexpr, TOP_K: tl.constexpr, RANK_BLOCK: tl.constexpr,
-                         BLOCK_A: tl.constexpr, B_PAD: tl.constexpr, BLOCK_H: tl.constexpr, COPY: tl.constexpr):
+                         num_experts, num_bins, num_blocks, hidden: tl.constexpr, TOP_K: tl.constexpr,
+                         RANK_BLOCK: tl.constexpr, BLOCK_A: tl.constexpr, B_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                         COPY: tl.constexpr):
     """Sorted position of each assignment = its expert's start (the totals of the bins before it) + the earlier
     blocks' count of its expert + its rank; writes order[pos] = a and (COPY) copies the token's row to rows[pos].
     The first program also writes the groups' ends (offsets)."""
@@ -260,7 +277,7 @@ def _scatter_rows_kernel(x_ptr, ids_ptr, rank_ptr, prefix_ptr, totals_ptr, order
     amask = a < n
     e = tl.load(ids_ptr + a, mask=amask, other=0).to(tl.int32)
     bins = tl.arange(0, B_PAD)
-    totals = tl.load(totals_ptr + bins, mask=bins <= num_experts, other=0)
+    totals = tl.load(totals_ptr + bins, mask=bins < num_bins, other=0)
     ends = tl.cumsum(totals, axis=0)
     if tl.program_id(0) == 0:
         tl.store(offsets_ptr + bins, ends, mask=bins < num_experts)
@@ -300,10 +317,12 @@ def _row_copy_block(hidden: torch.Tensor) -> int:
 
 
 def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, copy_rows: bool = True,
-             rank_block: int = _RANK_BLOCK):
+             rank_block: int | None = None, ranks=None):
     """(sorted rows [T*k, H], order [T*k] int64, offsets [E] int32) as kernels/reference.py's dispatch. Without
     copy_rows only the order and offsets are computed (rows is None): for GEMMs that gather their rows themselves.
-    rank_block: assignments a program of the rank kernel compares (a power of 2)."""
+    rank_block: assignments a program of the rank kernel compares (a power of 2; _RANK_BLOCK). ranks:
+    topk(ranked=True)'s for these ids (none dropped), which replace the rank kernel; used up (their counts become
+    running sums in place)."""
     tokens, top_k = expert_ids.shape
     n, width = tokens * top_k, hidden.shape[1]
     rows = hidden.new_empty(n, width) if copy_rows else None
@@ -319,20 +338,26 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, c
             hidden.contiguous(), ids, order, rows, offsets, n, num_experts, hidden=width, TOP_K=top_k,
             BLOCK_A=block_a, CHUNK=min(128, max(16, triton.next_power_of_2(n))), BLOCK_H=block_h)
         return rows, order, offsets
-    num_bins = num_experts + 1  # the last bin: dropped assignments (id E), sorted after every group
-    b_pad = triton.next_power_of_2(num_bins)
-    blocks = triton.cdiv(n, rank_block)
-    rank = torch.empty(n, dtype=torch.int32, device=hidden.device)
-    counts = torch.empty(num_bins, blocks, dtype=torch.int32, device=hidden.device)
+    b_pad = triton.next_power_of_2(num_experts + 1)
+    if ranks is None:
+        num_bins = num_experts + 1  # the last bin: dropped assignments (id E), sorted after every group
+        rank_block = rank_block or _RANK_BLOCK
+        blocks = triton.cdiv(n, rank_block)
+        rank = torch.empty(n, dtype=torch.int32, device=hidden.device)
+        counts = torch.empty(num_bins, blocks, dtype=torch.int32, device=hidden.device)
+        _rank_kernel[(blocks,)](ids, rank, counts, n, num_bins, BLOCK=rank_block, B_PAD=b_pad)
+    else:
+        rank, counts, rank_block = ranks
+        rank = rank.reshape(-1)
+        num_bins, blocks = counts.shape
     totals = torch.empty(num_bins, dtype=torch.int32, device=hidden.device)
     offsets = torch.empty(num_experts, dtype=torch.int32, device=hidden.device)
-    _rank_kernel[(blocks,)](ids, rank, counts, n, num_bins, BLOCK=rank_block, B_PAD=b_pad)
     _scan_counts_kernel[(num_bins,)](counts, totals, blocks, CHUNK=min(_SCAN_CHUNK, triton.next_power_of_2(blocks)))
     block_a = 32
     _scatter_rows_kernel[(triton.cdiv(n, block_a),)](
         hidden.contiguous(), ids, rank, counts, totals, order, rows if copy_rows else order, offsets, n, num_experts,
-        blocks, hidden=width, TOP_K=top_k, RANK_BLOCK=rank_block, BLOCK_A=block_a, B_PAD=b_pad, BLOCK_H=block_h,
-        COPY=copy_rows)
+        num_bins, blocks, hidden=width, TOP_K=top_k, RANK_BLOCK=rank_block, BLOCK_A=block_a, B_PAD=b_pad,
+        BLOCK_H=block_h, COPY=copy_rows)
     return rows, order, offsets
 
 
@@ -403,7 +428,7 @@ def _small_route_dispatch_kernel(logits_ptr, bias_ptr, x_ptr, weights_ptr, ids_p
     decode step) itself, so it knows all the assignments without waiting for another program."""
     tok = tl.arange(0, T_PAD)
     tmask = tok < tokens
-    top_w, top_id = _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K, K_PAD, E_PAD, T_PAD,
+    top_w, top_id, _ = _top_k(logits_ptr, bias_ptr, tok, tmask, num_experts, scaling, TOP_K, K_PAD, E_PAD, T_PAD,
                            SCORING, HAS_BIAS, RENORM, N_GROUP, TOPK_GROUP)
     slot = tl.arange(0, K_PAD)
     flat = tok[:, None] * TOP_K + slot[None, :]  # the assignment of (token, slot)

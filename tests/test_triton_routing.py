@@ -122,6 +122,29 @@ def test_counting_sort_over_many_rank_blocks(monkeypatch):
     _check_dispatch(torch.randn(37, 12, generator=gen), ids, 5)
 
 
+@pytest.mark.parametrize("tokens,experts,top_k,block_t,scoring,groups", [
+    (70, 128, 8, 32, "softmax", (1, 1)), (1, 8, 2, None, "softmax", (1, 1)), (23, 6, 6, 4, "softmax", (1, 1)),
+    (41, 16, 3, 8, "sigmoid", (4, 2)), (9, 5, 1, 2, "softmax", (1, 1))])
+def test_ranked_topk_replaces_dispatchs_rank_kernel(tokens, experts, top_k, block_t, scoring, groups, monkeypatch):
+    """topk(ranked=True)'s ranks (each token block as a rank block) give dispatch the same rows, order and offsets
+    as the reference: several blocks and a partial last one, k = E, one token, odd E, expert groups, and every
+    token to one expert."""
+    monkeypatch.setattr(TR, "SMALL_DISPATCH", 0)  # the counting sort, which the ranks feed
+    gen = torch.Generator().manual_seed(tokens * experts)
+    logits = torch.randn(tokens, experts, generator=gen)
+    bias = torch.randn(experts, generator=gen) if scoring == "sigmoid" else None
+    for skew in (0.0, 100.0):
+        logits[:, 1] += skew
+        ids = TR.topk(logits, top_k, True, scoring, bias, 1.0, *groups, block_t=block_t)[1]
+        x = torch.randn(tokens, 12, generator=gen)
+        for copy_rows in (True, False):
+            _, ranked_ids, ranks = TR.topk(logits, top_k, True, scoring, bias, 1.0, *groups, block_t=block_t,
+                                           ranked=True)
+            assert torch.equal(ranked_ids, ids)
+            for got, want in zip(TR.dispatch(x, ids, experts, copy_rows, ranks=ranks), R.dispatch(x, ids, experts)):
+                assert got is None or torch.equal(got, want)
+
+
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (1, 8, 2), (3, 6, 6), (16, 128, 8), (5, 3, 1),
                                                   (2, 256, 8)])
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
