@@ -11,6 +11,9 @@ Every layer is SwiGLU, bf16, dropless, renormalised softmax top-k, the same weig
   those expert GEMM kernels, from a CUDA graph; and eager (as SonicMoE runs).
 - ours quack / quack gathered: the layer on QuACK, its first projection on rows copied in expert order / gathering
   them from the token matrix through the dispatch order (MOECOMPILE_FFN_IN=quack_gathered).
+- ours fused ops: the layer as a compiled graph runs it (fuse_route_dispatch, gather_expert_rows): route_dispatch
+  (router GEMM, top-k ranking its assignments, dispatch without a row copy), experts_gathered, combine, from a
+  CUDA graph, the runtime's kernel choice.
 - ours gathered interleaved quack (--gathered): route + a rank-only dispatch + QuACK's gathered first projection on
   SonicMoE's interleaved gate / up rows + QuACK's second + moecompile's combine, from a CUDA graph.
 - SonicMoE: its MoE module (CuTe DSL through QuACK), eager, inference mode; fwd+bwd in training mode.
@@ -140,6 +143,22 @@ def gathered_layer(ours, x2, k):
     return layer
 
 
+def fused_ops_layer(ours, x2, k):
+    """The layer as a compiled graph runs it (the ops fuse_route_dispatch and gather_expert_rows leave), as a function
+    of nothing."""
+    from moecompile.ir import ops
+
+    c, ex = ours.config, ours.experts
+
+    def layer():
+        weights, _, _, order, offsets = ops.route_dispatch(x2, ours.router.weight, ours.router.bias, k, 0.0,
+                                                           c.renormalize, copy_rows=False)
+        y = ops.experts_gathered(x2, order, offsets, k, ex.w_in, ex.b_in, ex.w_out, ex.b_out, c.activation, c.gated)
+        return ops.combine(y, order, weights)
+
+    return layer
+
+
 def gathered_quack(ours, x2, k):
     """(ms, output) of gathered_layer."""
     layer = gathered_layer(ours, x2, k)
@@ -209,6 +228,9 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
                                                                                   lambda: ours(x)), notes)
         choices.FFN_IN = choices.FFN_OUT = "auto"
         r["ours auto eager"] = attempt("ours auto eager", lambda: bench(lambda: ours(x)), notes)
+        fused = fused_ops_layer(ours, x2, k)
+        errs["fused ops"] = attempt("ours fused ops", lambda: moe_layer.rel(fused(), ref), notes)
+        r["ours fused ops"] = attempt("ours fused ops graph", lambda: graph_bench(fused), notes)
         if gathered:
             g = attempt("ours gathered interleaved quack", lambda: gathered_quack(ours, x2, k), notes)
             if g is not None:
@@ -234,7 +256,7 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
                 r["vllm gemms"], r["vllm layer"] = v
     flops = 6 * tokens * k * d * f
     ours_best = min(t for t in (r.get("ours auto"), r.get("ours quack"), r.get("ours quack gathered"),
-                                r.get("ours gathered interleaved quack")) if t is not None)
+                                r.get("ours fused ops"), r.get("ours gathered interleaved quack")) if t is not None)
     peers = {p: r.get(p) for p in ("sonic", "vllm gemms", "vllm layer")}
 
     def fmt(v, digits=3):
@@ -247,7 +269,8 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
             f"{r['dense'] / r['bare'] * 100:.0f}%) | " +
             " | ".join(f"{fmt(r.get(f'gemms {kk}'))} ({share(r.get(f'gemms {kk}'))})" for kk in GEMM_KERNELS) +
             f" | {fmt(r.get('ours auto'))} | {fmt(r.get('ours quack'))} | {fmt(r.get('ours quack gathered'))} | "
-            f"{fmt(r.get('ours gathered interleaved quack'))} | {fmt(r.get('ours auto eager'))}"
+            f"{fmt(r.get('ours fused ops'))} | {fmt(r.get('ours gathered interleaved quack'))} | "
+            f"{fmt(r.get('ours auto eager'))}"
             f" | {fmt(peers['sonic'])} | {fmt(peers['vllm gemms'])} | {fmt(peers['vllm layer'])} | "
             f"{share(ours_best)} | " + ", ".join(f"{kk} {v:.1e}" for kk, v in errs.items() if v is not None) + " |")
     out_lines.append(line)
@@ -330,16 +353,18 @@ def main(argv=None):
         "torch._grouped_mm on balanced groups; GEMMs = the two expert GEMMs alone on the real routing (TF/s and share "
         "of dense in brackets); ours = the whole moecompile layer from a CUDA graph with auto (the tuned Triton "
         "kernels) / quack expert GEMMs (rows copied in expert order) / quack gathered (QuACK's first projection "
-        "reading token rows through the dispatch order, no row copy); gathered interleaved = the same with gate / "
+        "reading token rows through the dispatch order, no row copy); fused ops = the ops of a compiled graph "
+        "(route_dispatch ranking in its top-k, experts_gathered, combine); gathered interleaved = the same with gate / "
         "up rows interleaved as SonicMoE stores them (--gathered); eager = without CUDA graphs; SonicMoE "
         "eager, inference mode; vLLM from CUDA graphs. best = ours' fastest layer time as TF/s (share of dense). "
         "err: relative error vs a float32 reference.",
         "",
         "| shape | d, f, E, k, tokens | dense | bare grouped_mm | " +
         " | ".join(f"GEMMs {kk}" for kk in GEMM_KERNELS) +
-        " | ours auto | ours quack | ours quack gathered | ours gathered interleaved quack | ours auto eager | "
+        " | ours auto | ours quack | ours quack gathered | ours fused ops | ours gathered interleaved quack | "
+        "ours auto eager | "
         "SonicMoE | vLLM GEMMs | vLLM layer | ours best TF/s | err |",
-        "|---|---|" + "---|" * (15 + len(GEMM_KERNELS) - 3),
+        "|---|---|" + "---|" * (16 + len(GEMM_KERNELS) - 3),
     ]
     out_lines, train_lines, notes = [], [], []
 

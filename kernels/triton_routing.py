@@ -174,7 +174,7 @@ def _selection_launch(tokens: int, num_experts: int, top_k: int, renormalize: bo
                       n_group: int, topk_group: int, block_t: int | None = None,
                       num_warps: int | None = None) -> tuple[tuple[int], dict]:
     """(grid, tiles and constants) of a kernel over _selection's token blocks: topk's and its backward's. block_t
-    tokens a program and num_warps: the defaults' overrides, for bench/routing_kernels.py."""
+    tokens a program and num_warps: the defaults' overrides (topk's own)."""
     e_pad = triton.next_power_of_2(num_experts)
     block_t = block_t or max(1, min(64, 4096 // e_pad, triton.next_power_of_2(tokens)))
     return (triton.cdiv(tokens, block_t),), dict(
@@ -183,16 +183,27 @@ def _selection_launch(tokens: int, num_experts: int, top_k: int, renormalize: bo
         num_warps=num_warps or max(1, min(4, block_t * e_pad // 256)))  # decode: one warp's reductions
 
 
+def _topk_tile(tokens: int, num_experts: int, ranked: bool) -> tuple[int, int]:
+    """(tokens a program, warps) of topk, as bench/results/gpu-routing-kernels.md timed them at prefill: a full
+    block (4,096 scores) on 8 warps, and 8 tokens a block where the kernel also ranks its assignments."""
+    e_pad = triton.next_power_of_2(num_experts)
+    block_t = max(1, min(8 if ranked else 64, 4096 // e_pad, triton.next_power_of_2(tokens)))
+    scores = block_t * e_pad
+    return block_t, 8 if scores >= 4096 else max(1, min(4, scores // 256))
+
+
 def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
          correction_bias: torch.Tensor | None = None, scaling_factor: float = 1.0, n_group: int = 1,
          topk_group: int = 1, pdl: bool = False, block_t: int | None = None, num_warps: int | None = None,
          ranked: bool = False):
     """(weights [T, k] float32, ids [T, k] int64) as kernels/reference.py's route_grouped (groups_supported); pdl:
     launched as a programmatic dependent (sm_90+, Triton with triton_moe.HAS_GRID_DEPENDENCY); block_t, num_warps:
-    as _selection_launch. ranked: (weights, ids, ranks), ranks what dispatch would compute first (its `ranks`), in the
-    same launch."""
+    the tile's overrides (_topk_tile's by default). ranked: (weights, ids, ranks), ranks what dispatch would compute
+    first (its `ranks`), in the same launch."""
     tokens, num_experts = router_logits.shape
     device = router_logits.device
+    default_block_t, default_warps = _topk_tile(tokens, num_experts, ranked)
+    block_t, num_warps = block_t or default_block_t, num_warps or default_warps
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
     grid, meta = _selection_launch(tokens, num_experts, top_k, renormalize, scoring, correction_bias, n_group,
@@ -316,6 +327,12 @@ def _row_copy_block(hidden: torch.Tensor) -> int:
     return 512 if hidden.element_size() == 1 else 256  # FP8 rows (FP8 dispatch): 512 bytes a copy, as bf16
 
 
+def sorts_by_counting(assignments: int, copy_rows: bool) -> bool:
+    """Whether dispatch runs the counting sort (rank, running sum, scatter: what topk's ranks feed) rather than the
+    one-launch kernel of few assignments."""
+    return assignments > SMALL_DISPATCH or not copy_rows
+
+
 def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, copy_rows: bool = True,
              rank_block: int | None = None, ranks=None):
     """(sorted rows [T*k, H], order [T*k] int64, offsets [E] int32) as kernels/reference.py's dispatch. Without
@@ -331,7 +348,7 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, c
         return rows, order, torch.zeros(num_experts, dtype=torch.int32, device=hidden.device)
     block_h = min(_row_copy_block(hidden), triton.next_power_of_2(width))
     ids = expert_ids.reshape(-1).contiguous()
-    if n <= SMALL_DISPATCH and copy_rows:
+    if not sorts_by_counting(n, copy_rows):
         offsets = torch.empty(num_experts, dtype=torch.int32, device=hidden.device)
         block_a = 16
         _small_dispatch_kernel[(triton.cdiv(max(n, num_experts), block_a),)](

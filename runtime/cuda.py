@@ -63,11 +63,12 @@ def route_grouped_backward(grad_weights, router_logits, expert_ids, top_k: int, 
                                         correction_bias, scaling_factor, n_group, topk_group)
 
 
-def dispatch(hidden, expert_ids, num_experts: int, copy_rows: bool = True):
-    """(rows, order, offsets); without copy_rows the rows are empty ([0, H]), for experts that gather them."""
+def dispatch(hidden, expert_ids, num_experts: int, copy_rows: bool = True, ranks=None):
+    """(rows, order, offsets); without copy_rows the rows are empty ([0, H]), for experts that gather them. ranks:
+    triton_routing.topk(ranked=True)'s, in place of dispatch's own."""
     if not hidden.is_cuda:
         return reference.dispatch(hidden, expert_ids, num_experts, copy_rows)
-    rows, order, offsets = triton_routing.dispatch(hidden, expert_ids, num_experts, copy_rows=copy_rows)
+    rows, order, offsets = triton_routing.dispatch(hidden, expert_ids, num_experts, copy_rows=copy_rows, ranks=ranks)
     return rows if copy_rows else hidden.new_empty(0, hidden.shape[1]), order, offsets
 
 
@@ -90,6 +91,12 @@ def route_dispatch(hidden, router_weight, router_bias, top_k: int, capacity_fact
         weights, ids, rows, order, offsets = triton_routing.small_route_dispatch(
             hidden, logits, top_k, renormalize, scoring, correction_bias, scaling_factor, n_group, topk_group)
         return weights, ids, rows if copy_rows else hidden.new_empty(0, hidden.shape[1]), order, offsets
+    if (_routable(logits, n_group, topk_group) and triton_routing.sorts_by_counting(tokens * top_k, copy_rows)
+            and reference.capacity(capacity_factor, tokens, top_k, num_experts) < 0):  # the top-k ranks (no drops)
+        weights, ids, ranks = triton_routing.topk(logits, top_k, renormalize, scoring, correction_bias, scaling_factor,
+                                                  n_group, topk_group, pdl=choices.programmatic_launch(logits),
+                                                  ranked=True)
+        return (weights, ids, *dispatch(hidden, ids, num_experts, copy_rows, ranks))
     weights, ids = route_grouped(logits, top_k, capacity_factor, renormalize, scoring, correction_bias, n_group,
                                  topk_group, scaling_factor)
     return (weights, ids, *dispatch(hidden, ids, num_experts, copy_rows))

@@ -86,15 +86,16 @@ def cases():
         yield (triton_fp8._grouped_fp8_rowwise_kernel, f"second projection, {warps} warps", {**fp8, "out_ptr": BF16},
                dict(rowwise, K=14336, width=4096, HAS_BIAS=False, GATED=False, ACT=-1, QUANT_OUT=False),
                dict(num_warps=warps, num_stages=4))
-    for scoring, bias, groups, pdl, ranked, (experts, block_t) in (
-            (0, False, (1, 1), False, False, (256, 16)), (1, True, (8, 4), False, False, (256, 16)),
-            (0, False, (1, 1), True, False, (256, 16)), (0, False, (1, 1), True, True, (128, 32))):
+    for scoring, bias, groups, pdl, ranked, (experts, block_t, warps) in (  # topk's tiles (_topk_tile)
+            (0, False, (1, 1), False, False, (256, 16, 8)), (1, True, (8, 4), False, False, (256, 16, 8)),
+            (0, False, (1, 1), True, False, (256, 16, 8)), (0, False, (1, 1), True, True, (128, 8, 4))):
         yield (triton_routing._topk_kernel, f"E={experts}, scoring {scoring}, groups {groups}"
                + (", PDL" if pdl else "") + (", ranked" if ranked else ""),
                {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
                 "rank_ptr": "*i32", "counts_ptr": "*i32", "scaling": "fp32"},
                dict(TOP_K=8, K_PAD=8, E_PAD=experts, BLOCK_T=block_t, SCORING=scoring, HAS_BIAS=bias, RENORM=True,
-                    N_GROUP=groups[0], TOPK_GROUP=groups[1], RANK=ranked, PDL=pdl), dict(launch_pdl=pdl))
+                    N_GROUP=groups[0], TOPK_GROUP=groups[1], RANK=ranked, PDL=pdl),
+               dict(launch_pdl=pdl, num_warps=warps))
     for scoring, bias, groups, renorm in ((0, False, (1, 1), True), (1, True, (8, 4), True), (0, False, (1, 1), False)):
         yield (triton_routing._topk_backward_kernel, f"scoring {scoring}, groups {groups}, renormalise {renorm}",
                {"logits_ptr": BF16, "bias_ptr": "*fp32", "ids_ptr": "*i64", "grad_w_ptr": "*fp32", "grad_ptr": BF16,

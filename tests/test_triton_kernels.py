@@ -365,6 +365,33 @@ def test_folded_combine_backward_bookkeeping_matches_reference(monkeypatch, capa
         assert int(offsets[-1]) < rows.shape[0]  # the case has dropped slots
 
 
+@pytest.mark.parametrize("tokens,capacity_factor,copy_rows", [(300, 0.0, False), (300, 0.0, True), (5, 0.0, False),
+                                                             (300, 1.0, False), (2, 0.0, True)])
+def test_cuda_route_dispatch_batch_path_matches_the_reference(monkeypatch, tokens, capacity_factor, copy_rows):
+    """runtime/cuda's route_dispatch off CUDA (its Triton kernels interpreted): dropless batches through the ranked
+    top-k (dispatch's rank kernel folded in), drops and the one-launch dispatch through top-k, then dispatch."""
+    from moecompile.kernels import triton_routing
+    from moecompile.runtime import cuda as C
+
+    monkeypatch.setattr(C, "_routable", lambda *a: True)
+    monkeypatch.setattr(triton_routing, "route_dispatch_fits", lambda *a: False)  # not the decode kernel
+    ranked, topk = [], triton_routing.topk
+
+    def recorded_topk(*args, **kwargs):
+        ranked.append(kwargs.get("ranked", False))
+        return topk(*args, **kwargs)
+
+    monkeypatch.setattr(triton_routing, "topk", recorded_topk)
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, weight = torch.randn(tokens, 16, generator=gen), torch.randn(32, 16, generator=gen)
+    routing = (4, capacity_factor, True, "softmax", None, 1, 1, 1.0, True, copy_rows)
+    got, want = C.route_dispatch(hidden, weight, None, *routing), R.route_dispatch(hidden, weight, None, *routing)
+    for name, g, w in zip(("weights", "ids", "rows", "order", "offsets"), got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert ranked == [not capacity_factor and triton_routing.sorts_by_counting(tokens * 4, copy_rows)]
+
+
 @pytest.mark.parametrize("logits_fp32", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_route_dispatch_backward_matches_the_reference(logits_fp32, dtype):
