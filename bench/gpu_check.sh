@@ -27,7 +27,8 @@ if [ -f .whlx/libs.tar.xz ] && [ ! -d /tmp/site/nvidia_cutlass_dsl ]; then  # Qu
 fi
 # QuACK compiles its autotuning candidates in parallel and keeps its autotuning results on disk. Their key does not
 # tell weight layouts apart, so SonicMoE's go to a folder of their own (fine_grained.py --sonic-cache), which comes
-# back in $OUT/sonic-autotune: copy it to .peers/sonic-autotune and carry it, and the next run skips SonicMoE's tuning
+# back packed as $OUT/sonic-autotune.tar.gz (the device tool returns no folder that deep): copy it to .peers/ and
+# carry it, and the next run skips SonicMoE's tuning
 export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-16}
 installed=/tmp/moecompile-installed  # several checks in one call install once
 if ls .whl/*.whl > /dev/null 2>&1; then  # wheels the machine lacks (nvidia-cutlass: the CUTLASS FP8 headers; QuACK)
@@ -54,10 +55,12 @@ case "$what" in
       | tee "$out/quack-tuning$tag.log" ;;
   fine-grained)
     peer=$([ -f .peers/vllm/fused_moe.py ] && echo --vllm)
-    mkdir -p "$out/sonic-autotune"
-    [ -d .peers/sonic-autotune ] && cp -r .peers/sonic-autotune/. "$out/sonic-autotune/"
-    python3 bench/fine_grained.py $peer --sonic-cache "$out/sonic-autotune" --out "$out/fine-grained$tag.md" "$@" 2>&1 \
-      | tee "$out/fine-grained$tag.log" ;;
+    cache=/tmp/sonic-autotune
+    mkdir -p $cache
+    [ -f .peers/sonic-autotune.tar.gz ] && tar -C $cache -xzf .peers/sonic-autotune.tar.gz
+    python3 bench/fine_grained.py $peer --sonic-cache $cache --out "$out/fine-grained$tag.md" "$@" 2>&1 \
+      | tee "$out/fine-grained$tag.log"
+    tar -C $cache -czf "$out/sonic-autotune.tar.gz" . ;;
   fp8-linear) python3 bench/fp8_linear.py --out "$out/fp8-linear$tag.md" "$@" 2>&1 | tee "$out/fp8-linear$tag.log" ;;
   direct-experts) python3 bench/direct_experts.py --out "$out/direct-experts$tag.md" "$@" 2>&1 \
     | tee "$out/direct-experts$tag.log" ;;
