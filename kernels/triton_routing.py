@@ -209,7 +209,7 @@ def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: st
     grid, meta = _selection_launch(tokens, num_experts, top_k, renormalize, scoring, correction_bias, n_group,
                                    topk_group, block_t, num_warps)
     rank = torch.empty(tokens, top_k, dtype=torch.int32, device=device) if ranked else ids
-    counts = torch.empty(num_experts, grid[0] if tokens else 0, dtype=torch.int32, device=device) if ranked else ids
+    counts = torch.empty(num_experts, grid[0], dtype=torch.int32, device=device) if ranked else ids
     if tokens:
         logits = router_logits.contiguous()
         pdl = pdl and HAS_GRID_DEPENDENCY  # a Triton without it launches it in stream order
