@@ -25,9 +25,8 @@ demo: install
 	$(VENV)/bin/moecompile inspect $(DEMO_OUT)
 
 test: install
-	# one thread per worker, three workers on CI's two cores: two leave the cores idle while tests wait on
-	# subprocesses and files (load average under 2); worksteal evens out the long tail
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 3 --dist worksteal -m "not gpu and not slow" --durations=15
+	# one thread per worker: two workers on two cores, no oversubscription; worksteal evens out the long tail
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist worksteal -m "not gpu and not slow" --durations=15
 
 test-slow: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "slow and not gpu" --durations=5
