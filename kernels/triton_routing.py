@@ -171,25 +171,24 @@ def groups_supported(num_experts: int, n_group: int, topk_group: int) -> bool:
 
 
 def _selection_launch(tokens: int, num_experts: int, top_k: int, renormalize: bool, scoring: str, correction_bias,
-                      n_group: int, topk_group: int, block_t: int | None = None,
-                      num_warps: int | None = None) -> tuple[tuple[int], dict]:
-    """(grid, tiles and constants) of a kernel over _selection's token blocks: topk's and its backward's. block_t
-    tokens a program and num_warps: the defaults' overrides (topk's own)."""
-    e_pad = triton.next_power_of_2(num_experts)
-    block_t = block_t or max(1, min(64, 4096 // e_pad, triton.next_power_of_2(tokens)))
+                      n_group: int, topk_group: int, block_t: int, num_warps: int) -> tuple[tuple[int], dict]:
+    """(grid, tiles and constants) of a kernel over _selection's token blocks of block_t tokens: topk's and its
+    backward's."""
     return (triton.cdiv(tokens, block_t),), dict(
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t, SCORING=SCORING_IDS[scoring],
-        HAS_BIAS=correction_bias is not None, RENORM=renormalize, N_GROUP=n_group, TOPK_GROUP=topk_group,
-        num_warps=num_warps or max(1, min(4, block_t * e_pad // 256)))  # decode: one warp's reductions
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts), BLOCK_T=block_t,
+        SCORING=SCORING_IDS[scoring], HAS_BIAS=correction_bias is not None, RENORM=renormalize, N_GROUP=n_group,
+        TOPK_GROUP=topk_group, num_warps=num_warps)
 
 
-def _topk_tile(tokens: int, num_experts: int, ranked: bool) -> tuple[int, int]:
-    """(tokens a program, warps) of topk, as bench/results/gpu-routing-kernels.md timed them at prefill: a full
-    block (4,096 scores) on 8 warps, and 8 tokens a block where the kernel also ranks its assignments."""
+def _selection_tile(tokens: int, num_experts: int, ranked: bool = False,
+                    full_block_warps: int = 8) -> tuple[int, int]:
+    """(tokens a program, warps) over _selection's blocks: up to 4,096 scores a block (8 tokens where topk also ranks
+    its assignments), a full block on full_block_warps, decode's few scores on fewer (one warp's reductions). topk's
+    defaults as bench/results/gpu-routing-kernels.md timed them at prefill; its backward keeps 4 warps."""
     e_pad = triton.next_power_of_2(num_experts)
     block_t = max(1, min(8 if ranked else 64, 4096 // e_pad, triton.next_power_of_2(tokens)))
     scores = block_t * e_pad
-    return block_t, 8 if scores >= 4096 else max(1, min(4, scores // 256))
+    return block_t, full_block_warps if scores >= 4096 else max(1, min(4, scores // 256))
 
 
 def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
@@ -198,11 +197,11 @@ def topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: st
          ranked: bool = False):
     """(weights [T, k] float32, ids [T, k] int64) as kernels/reference.py's route_grouped (groups_supported); pdl:
     launched as a programmatic dependent (sm_90+, Triton with triton_moe.HAS_GRID_DEPENDENCY); block_t, num_warps:
-    the tile's overrides (_topk_tile's by default). ranked: (weights, ids, ranks), ranks what dispatch would compute
-    first (its `ranks`), in the same launch."""
+    the tile's overrides (_selection_tile's by default). ranked: (weights, ids, ranks), ranks what dispatch would
+    compute first (its `ranks`), in the same launch."""
     tokens, num_experts = router_logits.shape
     device = router_logits.device
-    default_block_t, default_warps = _topk_tile(tokens, num_experts, ranked)
+    default_block_t, default_warps = _selection_tile(tokens, num_experts, ranked)
     block_t, num_warps = block_t or default_block_t, num_warps or default_warps
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
@@ -230,7 +229,7 @@ def topk_backward(grad_weights: torch.Tensor, router_logits: torch.Tensor, exper
         return grad
     logits = router_logits.contiguous()
     grid, meta = _selection_launch(tokens, num_experts, top_k, renormalize, scoring, correction_bias, n_group,
-                                   topk_group)
+                                   topk_group, *_selection_tile(tokens, num_experts, full_block_warps=4))
     _topk_backward_kernel[grid](logits, correction_bias if correction_bias is not None else logits,
                                 expert_ids.contiguous(), grad_weights.contiguous(), grad, tokens, num_experts,
                                 float(scaling_factor), **meta)

@@ -86,7 +86,7 @@ def cases():
         yield (triton_fp8._grouped_fp8_rowwise_kernel, f"second projection, {warps} warps", {**fp8, "out_ptr": BF16},
                dict(rowwise, K=14336, width=4096, HAS_BIAS=False, GATED=False, ACT=-1, QUANT_OUT=False),
                dict(num_warps=warps, num_stages=4))
-    for scoring, bias, groups, pdl, ranked, (experts, block_t, warps) in (  # topk's tiles (_topk_tile)
+    for scoring, bias, groups, pdl, ranked, (experts, block_t, warps) in (  # topk's tiles (_selection_tile)
             (0, False, (1, 1), False, False, (256, 16, 8)), (1, True, (8, 4), False, False, (256, 16, 8)),
             (0, False, (1, 1), True, False, (256, 16, 8)), (0, False, (1, 1), True, True, (128, 8, 4))):
         yield (triton_routing._topk_kernel, f"E={experts}, scoring {scoring}, groups {groups}"
