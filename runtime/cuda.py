@@ -153,9 +153,9 @@ def _grouped_mm_first_projection(x, offsets, w_in, b_in, activation: str, gated:
     return triton_moe.expert_activation(h, offsets, b_in, activation, gated), h
 
 
-def _quack_first_projection(x, offsets, w_in, b_in, activation: str, gated: bool, starts=None):
-    """(a, h) on QuACK over dispatched rows, with the tuned configuration: QuACK writes h there in any case."""
-    starts = triton_routing.group_starts(offsets) if starts is None else starts
+def _quack_first_projection(x, w_in, b_in, activation: str, gated: bool, starts):
+    """(a, h) on QuACK over dispatched rows (groups from starts: _group_starts'), with the tuned configuration: QuACK
+    writes h there in any case."""
     return quack_gemm.first_projection_train(x, starts, w_in, b_in, activation, gated,
                                              config=choices.quack_config("first", w_in.shape[2], w_in.shape[1]))
 
@@ -169,10 +169,10 @@ def experts(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: bool):
                               w_out, b_out, second, starts)
 
 
-def _first_projection(x, offsets, w_in, b_in, activation: str, gated: bool, kernel: str, starts=None):
+def _first_projection(x, offsets, w_in, b_in, activation: str, gated: bool, kernel: str, starts):
     """act(x W_in^T + b_in) over dispatched rows on `kernel` (QuACK gathering reads the rows as given here)."""
     if kernel in choices.QUACK_KERNELS:
-        return _quack_first_projection(x, offsets, w_in, b_in, activation, gated, starts)[0]
+        return _quack_first_projection(x, w_in, b_in, activation, gated, starts)[0]
     if kernel.startswith("triton"):
         return triton_moe.grouped_ffn_in(x, offsets, w_in, b_in, activation, gated, variant=kernel)
     return _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)[0]
@@ -219,7 +219,7 @@ def experts_train(x, offsets, w_in, b_in, w_out, b_out, activation: str, gated: 
     first, second = _projection_kernels(x, w_in, w_out, activation, gated, training=True)
     starts = _group_starts(offsets, (first, second))
     if first in choices.QUACK_KERNELS:
-        a, h = _quack_first_projection(x, offsets, w_in, b_in, activation, gated, starts)
+        a, h = _quack_first_projection(x, w_in, b_in, activation, gated, starts)
     else:
         a, h = _grouped_mm_first_projection(x, offsets, w_in, b_in, activation, gated)
     return _second_projection(a, offsets, w_out, b_out, second, starts), h
@@ -231,11 +231,12 @@ def experts_backward(grad_y, x, offsets, w_in, b_in, w_out, activation: str, gat
     num_experts = w_in.shape[0]
     on_quack = _trains_on_quack(x, w_in, w_out, activation, gated)
     if on_quack:
+        starts = triton_routing.group_starts(offsets)
         if h is None:  # experts() kept nothing: recompute the first projection
-            h = _quack_first_projection(x, offsets, w_in, b_in, activation, gated)[1]
+            h = _quack_first_projection(x, w_in, b_in, activation, gated, starts)[1]
         configs = choices.quack_backward_configs(x.shape[1], w_out.shape[2], w_in.shape[1])
         grad_x, grad_w_in, grad_w_out, grad_h = quack_gemm.backward(
-            grad_y, x, triton_routing.group_starts(offsets), w_in, w_out, h, activation, gated, configs)
+            grad_y, x, starts, w_in, w_out, h, activation, gated, configs)
     else:
         if h is None:
             h = grouped_mm.grouped(x, w_in.transpose(-2, -1), offsets)
