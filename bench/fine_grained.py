@@ -56,7 +56,7 @@ OUR_VARIANTS = {"auto": ("auto", "auto"), "quack": ("quack", "quack"), "quack ga
 TRAIN_SHAPES = ("qwen3-moe", "mixtral")  # the issue's training targets
 WITH_SONIC = True  # --no-sonic: its autotuning compiles for minutes per shape
 WITH_TRAINING = True  # --forward-only: the training rows of TRAIN_SHAPES left out
-PROFILE = False  # --profile: a kernel breakdown of our layer per shape
+PROFILE = False  # --profile: a kernel breakdown of our layers and SonicMoE per shape
 SONIC_CACHE = None  # --sonic-cache: where SonicMoE's autotuning results are kept between runs
 TRAIN_COLUMNS = ("ours", "ours quack", "ours quack, folded", "ours quack, combine apart", "ours grouped_mm",
                  "HF grouped_mm", "SonicMoE")
@@ -231,6 +231,8 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
         fused = fused_ops_layer(ours, x2, k)
         errs["fused ops"] = attempt("ours fused ops", lambda: moe_layer.rel(fused(), ref), notes)
         r["ours fused ops"] = attempt("ours fused ops graph", lambda: graph_bench(fused), notes)
+        if PROFILE:
+            attempt("profile fused ops", lambda: moe_layer.print_kernel_profile(f"{name} ours fused ops", fused), notes)
         if gathered:
             g = attempt("ours gathered interleaved quack", lambda: gathered_quack(ours, x2, k), notes)
             if g is not None:
@@ -244,6 +246,10 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
                 errs["sonic"] = moe_layer.rel(so.reshape(x2.shape), ref)
                 r["sonic"] = attempt("SonicMoE timing", lambda: bench(lambda: sonic(x, is_inference_mode=True)),
                                      notes)
+                if PROFILE:  # its kernels beside ours: where a gap between the layers lies
+                    with sonic_tuning():
+                        attempt("profile SonicMoE", lambda: moe_layer.print_kernel_profile(
+                            f"{name} SonicMoE", lambda: sonic(x, is_inference_mode=True)), notes)
         if vllm:
             from peers import vllm_fused_moe as vp
 
@@ -326,7 +332,8 @@ def main(argv=None):
     p.add_argument("--train-only", action="store_true", help="only the training rows (of every --shapes shape)")
     p.add_argument("--forward-only", action="store_true", help="no training rows")
     p.add_argument("--no-sonic", action="store_true", help="without SonicMoE")
-    p.add_argument("--profile", action="store_true", help="print a kernel breakdown of our quack layers")
+    p.add_argument("--profile", action="store_true",
+                   help="print a kernel breakdown of our quack and fused-ops layers and of SonicMoE")
     p.add_argument("--sonic-cache", default=None,
                    help="keep SonicMoE's autotuning results here, apart from other callers' (gpu_check.sh sets it)")
     a = p.parse_args(argv)
