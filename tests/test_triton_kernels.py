@@ -166,8 +166,8 @@ def test_cuda_kernel_choice_follows_the_measurements(monkeypatch):
     assert kernels(128, 4096, 14336, 8, training=True) == ("triton_decode", "triton_decode")
     assert kernels(65536, 2048, 1408, 60, training=True) == ("triton_persistent", "triton_persistent")  # no train entry
     assert kernels(65536, 2048, 1408, 60) == ("triton_persistent", "triton_persistent")  # Qwen2-MoE, batch
-    assert kernels(65536, 2048, 768, 128) == ("quack", "quack")  # Qwen3-MoE (Triton where QuACK is missing)
-    assert kernels(65536, 2048, 768, 128, training=True) == ("quack", "quack")  # no train entry: batch's
+    assert kernels(65536, 2048, 768, 128) == ("quack_gathered", "quack")  # Qwen3-MoE (Triton without QuACK)
+    assert kernels(65536, 2048, 768, 128, training=True) == ("quack", "quack")  # its train entry
     assert kernels(4096, 1000, 500, 8) == ("triton_persistent", "triton_persistent")  # unmeasured, batch
     assert kernels(64, 1000, 500, 8) == ("triton_decode", "triton_decode")  # unmeasured, decode
     monkeypatch.setattr(C, "FFN_OUT", "triton")
