@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import logging
 import os
@@ -57,7 +58,23 @@ def _expect_error(fn) -> str:
     return "no error"
 
 
+@functools.cache
+def _warm_up() -> None:
+    """Import and build once in this process what every rank would otherwise import and build by itself: the
+    ranks are forked from here and start with it."""
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    from hf_moe import tiny_moe  # noqa: F401
+
+    import moecompile.backend  # noqa: F401
+    from moecompile.parallel import dcp  # noqa: F401
+
+    _tiny_gpt2()
+    _mesh_mixtral()
+
+
 def _spawn(worker, world: int, tmp: Path, *args) -> list[dict]:
+    _warm_up()
     mp.start_processes(worker, args=(world, _port(), str(tmp), *args), nprocs=world, start_method="fork")
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
