@@ -1,5 +1,6 @@
 """bench/generate.py (the GPU decode benchmark) on CPU: its floor and fit arithmetic against hand counts from the
 published configs, and one tiny run of the FP8 comparison and the attention probe; a tiny run of bench/fp8_drift.py."""
+import gc
 import importlib.util
 import sys
 from pathlib import Path
@@ -26,6 +27,15 @@ def load_bench(script: str):
 @pytest.fixture(scope="module")
 def bench():
     return load_bench("generate")
+
+
+@pytest.fixture(autouse=True)
+def _frozen_heap():
+    """The benches collect garbage between modes: with what the test process held before frozen, each collection
+    walks only what the run made, not every object the earlier tests left."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 def rows_of(text: str) -> list[list[str]]:
