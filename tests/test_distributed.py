@@ -70,6 +70,7 @@ def _warm_up() -> None:
     from moecompile.parallel import dcp  # noqa: F401
 
     _tiny_gpt2()
+    _mesh_gpt2()
     _mesh_mixtral()
 
 
@@ -180,6 +181,14 @@ def _tiny_gpt2_dense(seed=0):
     return tf.GPT2LMHeadModel(config).float().eval()
 
 
+def _built_once(build):
+    """build() runs once per process and each call returns a copy: ranks forked after _warm_up copy the model it
+    built instead of converting their own."""
+    built = functools.cache(build)
+    return functools.wraps(build)(lambda: copy.deepcopy(built()))
+
+
+@_built_once
 def _tiny_gpt2():
     return moecompile.moeize(_tiny_gpt2_dense(), experts=4, top_k=2, capacity_factor=0.0, noise=0.5, progress=False)
 
@@ -305,11 +314,13 @@ def _starve(model, first: int, capacity_factor: float):
     return model
 
 
+@_built_once
 def _mesh_gpt2():
     model = moecompile.moeize(_tiny_gpt2_dense(), experts=8, top_k=2, capacity_factor=0.0, noise=0.5, progress=False)
     return _starve(model, 4, 1.0)
 
 
+@_built_once
 def _mesh_mixtral():
     """A tiny Mixtral whose sparse blocks are MoEBlocks with its router and SwiGLU experts (gate|up, down)."""
     import transformers as tf
