@@ -1,9 +1,14 @@
 """Shared fixtures: tiny random Hugging Face models (float32, CPU, eval mode, fixed seed) and a runner."""
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
+
+# tracing and compiling allocate many short-lived objects: fewer collections of the young generations, and so fewer
+# full collections of the large heap that torch and transformers leave
+gc.set_threshold(100_000, 10, 10)
 
 # Triton kernels run in Triton's interpreter wherever there is no GPU (CI); must be set before triton compiles them.
 if not torch.cuda.is_available():
