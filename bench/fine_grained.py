@@ -237,6 +237,9 @@ def run_shape(name, d, f, e, k, tokens, out_lines, train_lines, notes, vllm, gat
             g = attempt("ours gathered interleaved quack", lambda: gathered_quack(ours, x2, k), notes)
             if g is not None:
                 r["ours gathered interleaved quack"], errs["gathered interleaved"] = g[0], moe_layer.rel(g[1], ref)
+            if PROFILE:  # QuACK's gated projection on SonicMoE's row layout beside ours (concatenated gate / up)
+                attempt("profile gathered interleaved", lambda: moe_layer.print_kernel_profile(
+                    f"{name} ours gathered interleaved quack", gathered_layer(ours, x2, k)), notes)
         sonic = attempt("SonicMoE build", lambda: sonic_module(ours, d, f, e, k), notes)
         if sonic is not None:
             sonic.eval()
@@ -333,7 +336,7 @@ def main(argv=None):
     p.add_argument("--forward-only", action="store_true", help="no training rows")
     p.add_argument("--no-sonic", action="store_true", help="without SonicMoE")
     p.add_argument("--profile", action="store_true",
-                   help="print a kernel breakdown of our quack and fused-ops layers and of SonicMoE")
+                   help="print a kernel breakdown of our quack, fused-ops (and --gathered) layers and of SonicMoE")
     p.add_argument("--sonic-cache", default=None,
                    help="keep SonicMoE's autotuning results here, apart from other callers' (gpu_check.sh sets it)")
     a = p.parse_args(argv)
