@@ -32,10 +32,24 @@ EXPECTED = {
 
 # ---------------------------------------------------------------- HF families
 
+@pytest.fixture(scope="module")
+def found(make_tiny):
+    """found(family, attn) -> (model, matches, rejected): find_ffns on the capture of the tiny model, once per
+    module (each capture is a torch.export; the tests only read what it found)."""
+    cache = {}
+
+    def get(family: str, attn: str):
+        if (family, attn) not in cache:
+            model = make_tiny(family, attn_implementation=attn)
+            cache[family, attn] = (model, *find_ffns(capture(model)))
+        return cache[family, attn]
+
+    return get
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_one_ffn_per_layer_with_right_activation_and_paths(tiny_family, make_tiny, attn):
-    model = make_tiny(tiny_family, attn_implementation=attn)
-    matches, rejected = find_ffns(capture(model))
+def test_one_ffn_per_layer_with_right_activation_and_paths(tiny_family, found, attn):
+    model, matches, rejected = found(tiny_family, attn)
     activation, gated, gate, up, down = EXPECTED[tiny_family]
     assert len(matches) == N_LAYERS, [m.describe() for m in matches]
     assert rejected == []
@@ -92,9 +106,8 @@ def test_unsupported_hf_activation_rejected(make_tiny):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_no_ffn_found_in_attention(tiny_family, make_tiny, attn):
-    model = make_tiny(tiny_family, attn_implementation=attn)
-    matches, _ = find_ffns(capture(model))
+def test_no_ffn_found_in_attention(tiny_family, found, attn):
+    _, matches, _ = found(tiny_family, attn)
     assert matches
     for m in matches:
         for ref in m.linears:

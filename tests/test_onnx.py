@@ -154,6 +154,21 @@ def _perturbed(name: str) -> nn.Module:
 SIZES = [(1, 5), (3, 17)]
 
 
+@pytest.fixture(scope="module")
+def upcycled():
+    """upcycled(name): the dropless upcycled _perturbed(name), converted once per module (the export leaves a model
+    unchanged: test_export_leaves_the_model_unchanged)."""
+    cache = {}
+
+    def get(name: str) -> nn.Module:
+        if name not in cache:
+            cache[name] = moecompile.moeize(_perturbed(name), experts=4, top_k=2, capacity_factor=0.0, noise=0.1,
+                                            progress=False)
+        return cache[name]
+
+    return get
+
+
 def _check_model(model, path, report, expect_contrib: bool):
     assert report.blocks and all((why is None) == expect_contrib for why in report.blocks.values()), report.blocks
     proto = onnx.load(str(path))
@@ -176,19 +191,18 @@ def _check_model(model, path, report, expect_contrib: bool):
 
 
 @pytest.mark.parametrize("name,contrib", [("tiny-gpt2", True), ("tiny-bert", False), ("tiny-llama", True)])
-def test_converted_tiny_model_matches_torch(tmp_path, name, contrib):
+def test_converted_tiny_model_matches_torch(tmp_path, name, contrib, upcycled):
     """Dropless renormalised upcycling: GPT-2 (gelu_tanh, biases) and LLaMA (SwiGLU) take com.microsoft::MoE;
     BERT's exact-erf gelu is not onnxruntime's (tanh) gelu, so its blocks are standard ops."""
-    model = moecompile.moeize(_perturbed(name), experts=4, top_k=2, capacity_factor=0.0, noise=0.1, progress=False)
+    model = upcycled(name)
     report = export_onnx(model, tmp_path / "model.onnx", progress=False)
     _check_model(model, tmp_path / "model.onnx", report, expect_contrib=contrib)
     ops = {(n.domain, n.op_type) for n in onnx.load(str(tmp_path / "model.onnx")).graph.node}
     assert (("com.microsoft", "MoE") in ops) == contrib
 
 
-def test_llama_swiglu_as_standard_ops_when_contrib_disabled(tmp_path):
-    model = moecompile.moeize(_perturbed("tiny-llama"), experts=4, top_k=2, capacity_factor=0.0, noise=0.1,
-                              progress=False)
+def test_llama_swiglu_as_standard_ops_when_contrib_disabled(tmp_path, upcycled):
+    model = upcycled("tiny-llama")
     report = export_onnx(model, tmp_path / "model.onnx", contrib=False, progress=False)
     assert set(report.blocks.values()) == {"contrib op disabled"}
     _check_model(model, tmp_path / "model.onnx", report, expect_contrib=False)
