@@ -1,6 +1,7 @@
 """Front end + FFN finder: capture (torch.export) and the structural FFN match on tiny models and plain modules."""
 from __future__ import annotations
 
+import functools
 import math
 import types
 
@@ -36,13 +37,10 @@ EXPECTED = {
 def found(make_tiny):
     """found(family, attn) -> (model, matches, rejected): find_ffns on the capture of the tiny model, once per
     module (each capture is a torch.export; the tests only read what it found)."""
-    cache = {}
-
+    @functools.cache
     def get(family: str, attn: str):
-        if (family, attn) not in cache:
-            model = make_tiny(family, attn_implementation=attn)
-            cache[family, attn] = (model, *find_ffns(capture(model)))
-        return cache[family, attn]
+        model = make_tiny(family, attn_implementation=attn)
+        return model, *find_ffns(capture(model))
 
     return get
 

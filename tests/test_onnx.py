@@ -1,5 +1,6 @@
 """ONNX export: onnxruntime (CPU provider) against torch, float32, for MoE blocks of every kind and for converted
 GPT-2, BERT, LLaMA and the real all-MiniLM-L6-v2, each at two batch/sequence sizes from one exported file."""
+import functools
 import inspect
 import math
 import re
@@ -158,13 +159,9 @@ SIZES = [(1, 5), (3, 17)]
 def upcycled():
     """upcycled(name): the dropless upcycled _perturbed(name), converted once per module (the export leaves a model
     unchanged: test_export_leaves_the_model_unchanged)."""
-    cache = {}
-
+    @functools.cache
     def get(name: str) -> nn.Module:
-        if name not in cache:
-            cache[name] = moecompile.moeize(_perturbed(name), experts=4, top_k=2, capacity_factor=0.0, noise=0.1,
-                                            progress=False)
-        return cache[name]
+        return moecompile.moeize(_perturbed(name), experts=4, top_k=2, capacity_factor=0.0, noise=0.1, progress=False)
 
     return get
 
